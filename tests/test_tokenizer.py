@@ -1,0 +1,251 @@
+"""The from-scratch BPE tokenizer against tiktoken (GPT-2) and against a naive trainer."""
+
+import hashlib
+import json
+import os
+from collections import Counter
+
+import pytest
+import regex
+import tiktoken
+import tiktoken.load
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiktoken_ext.openai_public import r50k_pat_str
+
+from llmscratch.assets import GPT2_RANKS_PATH, MOBY_DICK_PATH, read_moby_dick
+from llmscratch.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer, gpt2_encoding
+
+ADVERSARIAL = [
+    "",
+    " ",
+    "   leading and trailing   ",
+    "a  b   c    d\t\te\n\nf\r\n\r\ng \n \n",
+    "\t\t\t\n\n\n   \t \n",
+    "tabs\tand\ttabs\t\t\tx",
+    "trailing newlines\n\n\n",
+    "123 4567 89012345678901234567890 3.14159 1,000,000 0x1F",
+    "It's, you'll, we've, they're, I'm, she'd, 'tis, DON'T, it’s (curly)",
+    "'s 'll 've 're 'm 'd 't ''' '",
+    "!!!???...,,,;;;:::---___***&&&%%%$$$###@@@",
+    "((([[[{{{}}}]]])))<<<>>>///\\\\\\|||~~~```",
+    "Emoji: 😀😃😄 👩‍👩‍👧‍👦 🇫🇷 ✋🏽 and 🤖!",
+    "中文文本测试，日本語のテキスト、한국어 텍스트。",
+    "combining: e\u0301 a\u0308 n\u0303 \u0041\u030a Z̤̺̩͙a̸̪̙l̷g͎o̡",
+    "control: \x00\x01\x02\x07\x1b[31mred\x1b[0m\x7f\x85\u2028\u2029",
+    "zero width: a\u200bb\u200cc\u200dd\ufeffe",
+    "Ω≈ç√∫˜µ≤≥÷ åß∂ƒ©˙∆˚¬…æ œ∑´®†¥¨ˆøπ“‘",
+    "mixed123abc456 ABC_def-ghi.jkl",
+    "   \n   ",
+    "x" * 500,
+    " " * 300 + "y",
+    "<|endoftext|>",
+    "before<|endoftext|>after <|endoftext|> <|endoftext|><|endoftext|>",
+    "<|endoftext",
+    "endoftext|> <| endoftext |>",
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """tiktoken's own GPT-2: its file loader and its own split pattern, not ours."""
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")  # no cache folder: read the file directly
+    ranks = tiktoken.load.load_tiktoken_bpe(str(GPT2_RANKS_PATH))
+    return tiktoken.Encoding(name="gpt2-reference", pat_str=r50k_pat_str,
+                             mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return BPETokenizer.gpt2()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return BPETokenizer.train(read_moby_dick()[:60_000], 600, special_tokens=["<|endoftext|>"])
+
+
+# --------------------------------------------------------------------- bundled data
+@pytest.mark.parametrize("path, sha256", [
+    (GPT2_RANKS_PATH, "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"),
+    (MOBY_DICK_PATH, "fe282a57094ed62e7144fb7c804a9748fc1c909bf3b49d06e7276015f9f67240"),
+])
+def test_bundled_files_match_their_published_checksums(path, sha256):
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256
+
+
+# --------------------------------------------------------------------- GPT-2 parity
+def test_gpt2_matches_tiktoken_on_all_of_moby_dick(gpt2, reference):
+    text = read_moby_dick()
+    assert gpt2.encode(text) == reference.encode(text)
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL)
+def test_gpt2_matches_tiktoken_on_adversarial_strings(gpt2, reference, text):
+    assert gpt2.encode_ordinary(text) == reference.encode_ordinary(text)
+    assert gpt2.encode(text, allowed_special="all") == reference.encode(text, allowed_special="all")
+    assert gpt2.encode(text, disallowed_special=()) == reference.encode(text, disallowed_special=())
+    assert gpt2.decode(gpt2.encode(text, allowed_special="all")) == text
+
+
+def test_gpt2_matches_the_documented_example(gpt2):
+    # The check given with the vocabulary's source (shared/DATA.md), independent of tiktoken.
+    assert gpt2.encode("Hello, world! <|endoftext|>", allowed_special="all") == [15496, 11, 995, 0, 220, 50256]
+    assert gpt2.vocab_size == 50257 and gpt2.eot_token == 50256
+
+
+@pytest.mark.parametrize("text", ["lone \ud800 high", "\udfff at start", "pair \ud83d\ude00 split"])
+def test_lone_surrogates_are_replaced_like_tiktoken(gpt2, reference, text):
+    assert gpt2.encode(text) == reference.encode(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200))
+def test_gpt2_matches_tiktoken_on_arbitrary_text(gpt2, reference, text):
+    assert gpt2.encode(text, disallowed_special=()) == reference.encode(text, disallowed_special=())
+
+
+def test_gpt2_encoding_is_tiktoken_gpt2_offline(reference):
+    encoding = gpt2_encoding()
+    assert isinstance(encoding, tiktoken.Encoding) and encoding.n_vocab == 50257
+    for text in ADVERSARIAL + [read_moby_dick()[:20_000]]:
+        assert encoding.encode(text, allowed_special="all") == reference.encode(text, allowed_special="all")
+
+
+def test_recovered_merges_rebuild_every_gpt2_token(gpt2, reference):
+    for token_id in range(50256):
+        assert gpt2.decode_bytes([token_id]) == reference.decode_single_token_bytes(token_id)
+
+
+# --------------------------------------------------------------------- special tokens
+def test_disallowed_special_token_is_named_in_the_error(gpt2):
+    with pytest.raises(ValueError, match=r"<\|endoftext\|>"):
+        gpt2.encode("text <|endoftext|> more")
+
+
+def test_unknown_special_token_is_rejected(gpt2):
+    with pytest.raises(ValueError, match=r"unknown special tokens \['<\|im_start\|>'\]"):
+        gpt2.encode("hi", allowed_special={"<|im_start|>"})
+
+
+def test_special_tokens_are_never_merged_during_training():
+    text = "hello<|sep|>world <|sep|><|sep|> hello" * 50
+    tok = BPETokenizer.train(text, 256 + 8, special_tokens=["<|sep|>"])
+    assert len(tok.merges) == 7
+    assert all(b"<|" not in token for token in tok.vocab.values())
+    assert tok.encode("ab<|sep|>", allowed_special="all")[-1] == tok.special_tokens["<|sep|>"]
+    assert tok.special_tokens["<|sep|>"] == tok.vocab_size - 1
+
+
+# --------------------------------------------------------------------- training
+def naive_train(text: str, n_merges: int, pattern: str = GPT2_SPLIT_PATTERN) -> list[tuple[int, int]]:
+    """Textbook BPE: recount every pair of every chunk before each merge."""
+    chunks = [list(chunk.encode("utf-8")) for chunk in regex.findall(pattern, text)]
+    merges = []
+    for new_id in range(256, 256 + n_merges):
+        counts = Counter(pair for chunk in chunks for pair in zip(chunk, chunk[1:]))
+        if not counts:
+            break
+        best = min(counts, key=lambda pair: (-counts[pair], pair))  # most frequent, then smallest ids
+        merges.append(best)
+        for chunk in chunks:
+            i = 0
+            while i < len(chunk) - 1:
+                if (chunk[i], chunk[i + 1]) == best:
+                    chunk[i : i + 2] = [new_id]
+                i += 1
+    return merges
+
+
+@pytest.mark.parametrize("text", [
+    read_moby_dick()[5_000:12_000],
+    "aaaa aaaa aaaaa bbb aaab abab ababab " * 20,
+    "Ünïcödé wörds, ünïcödé wörds; 中文 中文 中文 😀😀 😀😀 naïve naïve café café",
+    "x",
+])
+def test_training_matches_naive_recounting(text):
+    expected = naive_train(text, 120)
+    trained = BPETokenizer.train(text, 256 + len(expected))
+    assert list(trained.merges) == expected
+
+
+def test_training_is_deterministic_and_reaches_the_vocab_size(trained):
+    again = BPETokenizer.train(read_moby_dick()[:60_000], 600, special_tokens=["<|endoftext|>"])
+    assert list(again.merges) == list(trained.merges)
+    assert trained.vocab_size == 600 and len(trained.merges) == 600 - 256 - 1
+
+
+def test_trained_tokenizer_round_trips_and_compresses(trained):
+    text = read_moby_dick()[100_000:110_000]  # held out from training
+    ids = trained.encode(text)
+    assert trained.decode(ids) == text
+    assert len(text.encode("utf-8")) / len(ids) > 2.0
+
+
+def test_vocab_size_too_small_is_an_error():
+    with pytest.raises(ValueError, match=r"vocab_size=257 is too small.*258"):
+        BPETokenizer.train("some text", 257, special_tokens=["<|a|>", "<|b|>"])
+
+
+def test_vocab_size_larger_than_the_text_allows_warns_with_the_real_size():
+    with pytest.warns(UserWarning, match=r"vocab_size is 258"):
+        tok = BPETokenizer.train("abab", 1000)
+    assert tok.vocab_size == 258  # merges "ab", then "abab"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_round_trip_for_arbitrary_text(gpt2, trained, text):
+    for tok in (gpt2, trained):
+        assert tok.decode(tok.encode(text, allowed_special="all")) == text
+
+
+# --------------------------------------------------------------------- decoding
+def test_decode_of_a_split_character(trained):
+    ids = trained.encode("é")  # bytes c3 a9; the training text had no é, so two byte tokens
+    assert len(ids) == 2
+    assert trained.decode(ids[:1]) == "\ufffd"
+    assert trained.decode_bytes(ids[:1]) == b"\xc3"
+    assert trained.decode_bytes(ids) == "é".encode("utf-8")
+
+
+@pytest.mark.parametrize("bad_id", [-1, 600, 10**9])
+def test_decode_out_of_range_id_is_an_error(trained, bad_id):
+    with pytest.raises(ValueError, match=rf"token id {bad_id} is out of range.*0 to 599"):
+        trained.decode([1, bad_id])
+
+
+# --------------------------------------------------------------------- files
+def test_save_load_round_trip(tmp_path, trained, gpt2):
+    text = read_moby_dick()[200_000:205_000] + " <|endoftext|> 😀"
+    for tok in (trained, gpt2):
+        path = tmp_path / f"{tok.name}.json"
+        tok.save(path)
+        loaded = BPETokenizer.load(path)
+        assert loaded.encode(text, allowed_special="all") == tok.encode(text, allowed_special="all")
+        assert loaded.special_tokens == tok.special_tokens and loaded.pattern == tok.pattern
+    data = json.loads((tmp_path / "bpe.json").read_text(encoding="utf-8"))
+    assert data["format"] == "llmscratch-bpe" and data["version"] == 1
+    first = data["merges"][0]
+    assert trained.vocab[first[0]] + trained.vocab[first[1]] == first[2].encode("utf-8")
+
+
+def corrupt(path, transform):
+    path.write_text(transform(path.read_text(encoding="utf-8")), encoding="utf-8")
+
+
+@pytest.mark.parametrize("transform, message", [
+    (lambda s: s[: len(s) // 2], "not a tokenizer file"),
+    (lambda s: s.replace('"version": 1', '"version": 7'), "has version 7; this llmscratch reads version 1"),
+    (lambda s: s.replace('"format": "llmscratch-bpe"', '"format": "other"'), "not an llmscratch-bpe file"),
+    (lambda s: s.replace('"merges"', '"merged"'), "corrupt tokenizer file"),
+    (lambda s: s.replace("[32, 116,", "[32, 99999,", 1), "corrupt tokenizer file"),
+    (lambda s: s.replace("[32, 116,", "[32, 117,", 1), "corrupt tokenizer file: merge"),
+])
+def test_corrupt_or_unknown_file_is_an_error(tmp_path, trained, transform, message):
+    path = tmp_path / "tok.json"
+    trained.save(path)
+    assert "[32, 116," in path.read_text(encoding="utf-8")  # " t" is a merge, so the edits bite
+    corrupt(path, transform)
+    with pytest.raises(ValueError, match=message):
+        BPETokenizer.load(path)
