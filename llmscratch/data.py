@@ -1,0 +1,322 @@
+"""Training data for next-token prediction: sliding windows in memory, token files on disk.
+
+Two ways to feed a model, from small to large:
+
+* ``SlidingWindowDataset`` / ``create_dataloader``: a text in memory, tokenized and cut
+  into (possibly overlapping) windows; the targets are the inputs shifted by one token.
+* ``prepare_token_files`` writes ``train.bin`` / ``val.bin`` (flat arrays of token ids)
+  and ``meta.json`` once; ``load_token_split`` memory-maps a split, and
+  ``RandomWindowBatches`` draws random windows from it, one reproducible, resumable
+  stream per distributed rank. Nothing has to fit in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+SPLITS = ("train", "val")
+META_FILE = "meta.json"
+
+
+class Tokenizer(Protocol):
+    """What this module needs of a tokenizer; ``tiktoken.Encoding`` and ``BPETokenizer`` fit.
+
+    ``eot_token`` (id of ``<|endoftext|>``) and ``name`` are optional and read with getattr.
+    """
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    def encode(self, text: str, *, allowed_special: Any = ...) -> list[int]: ...
+
+
+class SlidingWindowDataset(Dataset):
+    """Windows of ``max_length`` tokens starting every ``stride`` tokens, with next-token targets."""
+
+    def __init__(self, token_ids: Sequence[int] | torch.Tensor, max_length: int, stride: int):
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long)  # (N,)
+        n_tokens = len(self.token_ids)
+        # A window needs max_length inputs plus one more token: the target of its last input.
+        if n_tokens < max_length + 1:
+            raise ValueError(
+                f"got {n_tokens} tokens, but one window of max_length={max_length} needs "
+                f"at least {max_length + 1} (the inputs plus one target)"
+            )
+        self.max_length = max_length
+        self.stride = stride
+        # Starts 0, stride, 2 * stride, ... while start + max_length + 1 <= n_tokens.
+        self.n_windows = (n_tokens - max_length - 1) // stride + 1
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.n_windows:
+            raise IndexError(f"window index {index} is out of range for {self.n_windows} windows")
+        start = index * self.stride
+        window = self.token_ids[start : start + self.max_length + 1]  # (max_length + 1,)
+        return window[:-1], window[1:]  # (max_length,), (max_length,)
+
+
+def create_dataloader(
+    text: str,
+    tokenizer: Tokenizer,
+    batch_size: int = 4,
+    max_length: int = 256,
+    stride: int = 128,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    seed: int = 0,
+) -> DataLoader:
+    """Tokenize ``text`` and batch its windows: ``(inputs, targets)``, both (B, max_length)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    dataset = SlidingWindowDataset(tokenizer.encode(text, allowed_special="all"), max_length, stride)
+    if drop_last and len(dataset) < batch_size:
+        raise ValueError(
+            f"the text gives {len(dataset)} windows, fewer than batch_size={batch_size}, so "
+            "drop_last=True would leave no batch; use a longer text, a smaller batch_size "
+            "or drop_last=False"
+        )
+    # The loader draws each epoch's order from this generator: same seed, same batches.
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        generator=generator,
+    )
+
+
+def prepare_token_files(
+    paths: str | os.PathLike | Iterable[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    tokenizer: Tokenizer,
+    val_fraction: float = 0.1,
+    block_chars: int = 1 << 20,
+) -> dict[str, Any]:
+    """Tokenize text files into ``out_dir``: train.bin, val.bin and meta.json; return the metadata.
+
+    Each file is a document; documents are joined by the tokenizer's end-of-text id when it
+    has one. The validation split is the last ``val_fraction`` of the whole corpus's tokens
+    (with several files, mostly the last ones), as in taking the end of a book.
+    """
+    paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("paths is empty: prepare_token_files needs at least one text file")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if block_chars < 1:
+        raise ValueError(f"block_chars must be >= 1, got {block_chars}")
+    n_vocab = tokenizer.n_vocab
+    # uint16 halves the file (and the disk reads) whenever every id fits in 16 bits.
+    dtype = np.dtype(np.uint16 if n_vocab <= 2**16 else np.uint32)
+    eot_token = getattr(tokenizer, "eot_token", None)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # A stale meta.json would describe the old .bin files if this run fails half way.
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    train_path, val_path = out_dir / "train.bin", out_dir / "val.bin"
+
+    # Stream every token into train.bin; its tail moves to val.bin once the total is known.
+    n_tokens = 0
+    with open(train_path, "wb") as out:
+        for index, path in enumerate(paths):
+            if index > 0 and eot_token is not None:
+                n_tokens += _write_ids(out, [eot_token], dtype, n_vocab, path)
+            for text in _text_blocks(path, block_chars):
+                ids = tokenizer.encode(text, allowed_special="all")
+                n_tokens += _write_ids(out, ids, dtype, n_vocab, path)
+
+    n_val = round(n_tokens * val_fraction)
+    n_train = n_tokens - n_val
+    if n_train < 1 or n_val < 1:
+        raise ValueError(
+            f"{n_tokens} tokens with val_fraction={val_fraction} give {n_train} train and "
+            f"{n_val} val tokens; each split needs at least 1"
+        )
+    with open(train_path, "rb") as source, open(val_path, "wb") as target:
+        source.seek(n_train * dtype.itemsize)
+        shutil.copyfileobj(source, target)
+    os.truncate(train_path, n_train * dtype.itemsize)
+
+    meta = {
+        "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__),
+        "vocab_size": n_vocab,
+        "eot_token": eot_token,
+        "dtype": dtype.name,
+        "num_tokens": {"train": n_train, "val": n_val},
+        "val_fraction": val_fraction,
+        "source_files": [str(path) for path in paths],
+    }
+    # Written last: a folder with a meta.json holds complete token files.
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
+def _write_ids(out: BinaryIO, ids: list[int], dtype: np.dtype, n_vocab: int, path: Path) -> int:
+    """Append ``ids`` to ``out`` as ``dtype``, checking they are in the vocabulary; return the count."""
+    array = np.asarray(ids, dtype=np.int64)  # (n,)
+    # A wrong id would wrap around silently when cast to uint16.
+    if array.size and (array.min() < 0 or array.max() >= n_vocab):
+        bad = array.min() if array.min() < 0 else array.max()
+        raise ValueError(f"token id {bad} (from {path}) is outside the vocabulary of {n_vocab} ids")
+    array.astype(dtype).tofile(out)
+    return array.size
+
+
+def _text_blocks(path: Path, block_chars: int) -> Iterator[str]:
+    """The text of ``path`` in blocks of about ``block_chars`` characters, cut only between lines.
+
+    A cut goes only between a line ending in "<non-space>\\n" and a line starting with a
+    non-space: GPT-2 and GPT-4 style pre-tokenizers make that lone "\\n" a chunk of its own,
+    so the blocks encode to exactly the tokens of the whole text. A file without such a
+    place (one giant line) is read as one block.
+    """
+    lines: list[str] = []
+    size = 0
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            if size >= block_chars and _can_cut(lines[-1], line):
+                yield "".join(lines)
+                lines, size = [], 0
+            lines.append(line)
+            size += len(line)
+    if lines:
+        yield "".join(lines)
+
+
+def _can_cut(previous_line: str, next_line: str) -> bool:
+    # "a\n" | "b" is safe; "a\n\n" | "b" is not: alone, a final "\n\n" becomes one token.
+    return len(previous_line) >= 2 and not previous_line[-2].isspace() and not next_line[0].isspace()
+
+
+def load_token_meta(folder: str | os.PathLike) -> dict[str, Any]:
+    """Read and check the ``meta.json`` that ``prepare_token_files`` wrote in ``folder``."""
+    path = Path(folder) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"no {path}: run prepare_token_files on the text files first")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        dtype, counts = meta["dtype"], meta["num_tokens"]
+        valid = dtype in ("uint16", "uint32") and all(
+            isinstance(counts[split], int) and counts[split] >= 1 for split in SPLITS
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is corrupt ({error!r}); run prepare_token_files again") from error
+    if not valid:
+        raise ValueError(
+            f"{path} is corrupt: dtype={dtype!r}, num_tokens={counts!r}; expected dtype uint16 or "
+            f"uint32 and a positive integer count for each of {SPLITS}"
+        )
+    return meta
+
+
+def load_token_split(folder: str | os.PathLike, split: str) -> np.memmap:
+    """Memory-map ``train.bin`` or ``val.bin`` of ``folder``: token ids, read from disk on demand."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    meta = load_token_meta(folder)
+    dtype = np.dtype(meta["dtype"])
+    n_tokens = meta["num_tokens"][split]
+    path = Path(folder) / f"{split}.bin"
+    n_bytes = path.stat().st_size if path.is_file() else 0
+    if n_bytes != n_tokens * dtype.itemsize:
+        raise ValueError(
+            f"{path} has {n_bytes} bytes, but meta.json promises {n_tokens} {dtype.name} tokens "
+            f"({n_tokens * dtype.itemsize} bytes); run prepare_token_files again"
+        )
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+class RandomWindowBatches:
+    """Endless batches of random windows from a token array: one reproducible stream per (seed, rank).
+
+    ``next()`` gives ``(x, y)``, LongTensors of shape (batch_size, context_length), where
+    ``y`` holds the token that follows each position of ``x``.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        context_length: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        if len(tokens) < context_length + 1:
+            raise ValueError(
+                f"context_length={context_length} needs at least {context_length + 1} tokens "
+                f"(inputs plus one target), but the token array has {len(tokens)}"
+            )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.context_length = context_length
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        # SeedSequence mixes (seed, rank) into unrelated seeds, so ranks never share a stream
+        # and (seed=0, rank=1) has nothing to do with (seed=1, rank=0).
+        stream_seed = int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0])
+        self.generator = torch.Generator().manual_seed(stream_seed)
+
+    def __iter__(self) -> RandomWindowBatches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # The last start is len - context_length - 1: its window still has a full target.
+        n_starts = len(self.tokens) - self.context_length
+        starts = torch.randint(n_starts, (self.batch_size,), generator=self.generator)  # (B,)
+        length = self.context_length + 1
+        windows = np.stack([self.tokens[s : s + length] for s in starts.tolist()])  # (B, T + 1)
+        windows = torch.from_numpy(windows.astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]  # (B, T), (B, T)
+
+    def _settings(self) -> dict[str, int]:
+        return {
+            "num_tokens": len(self.tokens),
+            "batch_size": self.batch_size,
+            "context_length": self.context_length,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this stream stands, for a checkpoint (``torch.save`` can store it)."""
+        return {**self._settings(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next batches are those the saved sampler would have given."""
+        for key, value in self._settings().items():
+            if state[key] != value:
+                raise ValueError(
+                    f"the saved state has {key}={state[key]}, but this sampler has {key}={value}"
+                )
+        self.generator.set_state(state["generator"])
