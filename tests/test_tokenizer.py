@@ -249,3 +249,22 @@ def test_corrupt_or_unknown_file_is_an_error(tmp_path, trained, transform, messa
     corrupt(path, transform)
     with pytest.raises(ValueError, match=message):
         BPETokenizer.load(path)
+
+
+# --------------------------------------------------------------------- beyond GPT-2
+# A GPT-4-style split pattern (case-insensitive contractions, digits in groups of three).
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+
+
+def test_trained_tokenizer_with_another_pattern_matches_tiktoken_on_its_ranks():
+    text = read_moby_dick()[300_000:360_000] + " Größe 1234567 ÉTÉ été 東京 Ωμέγα " * 30
+    tok = BPETokenizer.train(text, 1500, pattern=CL100K_PATTERN)
+    ranks = {token: token_id for token_id, token in tok.vocab.items()}
+    assert len(ranks) == len(tok.vocab)  # no two merges made the same bytes
+    reference = tiktoken.Encoding(name="trained", pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
+                                  special_tokens={})
+    for sample in [read_moby_dick()[500_000:520_000], *ADVERSARIAL]:
+        sample = sample.replace("<|endoftext|>", "")
+        assert tok.encode(sample) == reference.encode_ordinary(sample)
+    assert BPETokenizer.from_ranks(ranks).merges == tok.merges
