@@ -1,0 +1,212 @@
+"""Causal self-attention: multi-head, grouped-query and multi-query in one module, plus a KV cache.
+
+Two paths compute the same thing. The explicit one writes out scores, mask, softmax and weighted
+sum; it is the one to read and the reference the tests hold the other to. The fused one calls
+``F.scaled_dot_product_attention``, which picks flash / memory-efficient kernels on CUDA and a
+fused kernel on CPU, and never stores the (T, T) weights.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmscratch.rope import RotaryEmbedding
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """(q_len, kv_len) booleans, True where a query may look at a key.
+
+    The queries are the last q_len of the kv_len positions (bottom-right aligned), which is the
+    case of a chunk appended to a KV cache; with q_len == kv_len it is the usual lower triangle.
+    """
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention written out; returns the context (B, nh, T, hs) and weights (B, nh, T, S).
+
+    q has nh heads, k and v have n_kv heads; query head h reads key/value head h // (nh // n_kv).
+    """
+    group_size = q.size(1) // k.size(1)
+    k = k.repeat_interleave(group_size, dim=1)  # (B, nh, S, hs)
+    v = v.repeat_interleave(group_size, dim=1)  # (B, nh, S, hs)
+    # Dividing by sqrt(hs) keeps the scores' variance near 1 whatever the head size, so the
+    # softmax starts out soft instead of nearly one-hot (which would starve the gradients).
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
+    mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (T, S)
+    scores = scores.masked_fill(~mask, float("-inf"))  # exp(-inf) = 0: the future gets no weight
+    weights = torch.softmax(scores, dim=-1)  # (B, nh, T, S), each row sums to 1
+    weights = F.dropout(weights, p=dropout_p)  # identity when dropout_p == 0
+    return weights @ v, weights  # (B, nh, T, hs), (B, nh, T, S)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """The same causal attention through scaled_dot_product_attention; returns (B, nh, T, hs)."""
+    q_len, kv_len = q.size(-2), k.size(-2)
+    # SDPA's is_causal aligns its triangle top-left, right only when queries and keys start at
+    # the same position. One new token may see every cached key (no mask at all); a chunk
+    # appended after cached keys needs the bottom-right mask spelled out.
+    if q_len == kv_len:
+        mask, is_causal = None, True
+    elif q_len == 1:
+        mask, is_causal = None, False
+    else:
+        mask, is_causal = causal_mask(q_len, kv_len, q.device), False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=k.size(1) != q.size(1)
+    )  # (B, nh, T, hs)
+
+
+class KVCache:
+    """Preallocated keys and values of one attention layer, for decoding a batch token by token.
+
+    A plain object rather than a submodule: the model's parameters and buffers stay fixed from call
+    to call (what torch.compile wants), and the caller decides when a cache starts and ends.
+    Fill it under ``torch.no_grad()``: it is for inference.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        if min(shape) <= 0:
+            raise ValueError(
+                f"KVCache sizes must be positive; got batch_size={batch_size}, max_seq_len={max_seq_len}, "
+                f"n_kv_heads={n_kv_heads}, head_dim={head_dim}"
+            )
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (B_max, n_kv, T_max, hs)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (B_max, n_kv, T_max, hs)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.size(0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.keys.size(2)
+
+    def update(
+        self, keys: torch.Tensor, values: torch.Tensor, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values (B, n_kv, T, hs) at start_pos..start_pos+T-1; return all of 0..start_pos+T-1."""
+        batch_size, n_kv_heads, seq_len, head_dim = keys.shape
+        if batch_size > self.batch_size:
+            raise ValueError(f"batch of {batch_size} does not fit a KVCache allocated for batch_size={self.batch_size}")
+        if (n_kv_heads, head_dim) != (self.keys.size(1), self.keys.size(3)):
+            raise ValueError(
+                f"keys have n_kv_heads={n_kv_heads}, head_dim={head_dim}; this KVCache holds "
+                f"n_kv_heads={self.keys.size(1)}, head_dim={self.keys.size(3)}"
+            )
+        end = start_pos + seq_len
+        if start_pos < 0 or end > self.max_seq_len:
+            raise ValueError(
+                f"positions {start_pos}..{end - 1} (start_pos={start_pos}, seq_len={seq_len}) "
+                f"do not fit a KVCache of max_seq_len={self.max_seq_len}"
+            )
+        self.keys[:batch_size, :, start_pos:end] = keys
+        self.values[:batch_size, :, start_pos:end] = values
+        return self.keys[:batch_size, :, :end], self.values[:batch_size, :, :end]  # (B, n_kv, end, hs)
+
+    def reset(self) -> None:
+        """Zero the stored keys and values, ready for a new batch of prompts."""
+        self.keys.zero_()
+        self.values.zero_()
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal self-attention with n_heads query heads sharing n_kv_heads key/value heads.
+
+    n_kv_heads == n_heads is multi-head attention (GPT-2), 1 < n_kv_heads < n_heads is grouped-query
+    attention (Llama 2 70B, Llama 3), n_kv_heads == 1 is multi-query attention.
+
+    Weight layout: one ``qkv`` Linear whose output rows are [queries | keys | values], of
+    n_heads*head_dim, n_kv_heads*head_dim and n_kv_heads*head_dim rows, head after head. Hugging
+    Face GPT-2's ``c_attn`` (a Conv1D) is this matrix transposed; Llama's q_proj, k_proj, v_proj
+    concatenate into it along dim 0. ``out_proj`` maps the concatenated heads back to d_out.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        dropout: float = 0.0,
+        fused: bool = True,
+    ):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if min(d_in, d_out, n_heads, n_kv_heads) <= 0:
+            raise ValueError(
+                f"sizes must be positive; got d_in={d_in}, d_out={d_out}, n_heads={n_heads}, n_kv_heads={n_kv_heads}"
+            )
+        if d_out % n_heads:
+            raise ValueError(f"d_out={d_out} is not divisible by n_heads={n_heads}")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got dropout={dropout}")
+        self.d_out = d_out
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = d_out // n_heads
+        self.dropout = dropout
+        self.fused = fused
+        self.qkv_sizes = (n_heads * self.head_dim, n_kv_heads * self.head_dim, n_kv_heads * self.head_dim)
+        self.qkv = nn.Linear(d_in, sum(self.qkv_sizes), bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding | None = None,
+        kv_cache: KVCache | None = None,
+        start_pos: int = 0,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend over x (B, T, d_in), whose tokens sit at positions start_pos..start_pos+T-1.
+
+        rope: rotate queries and keys (a table the model shares across layers).
+        kv_cache: this layer's cache; x is appended at start_pos and attends to all of 0..start_pos+T-1.
+        need_weights: also return the weights (B, nh, T, S) actually used (explicit path only).
+        Returns (B, T, d_out), or (output, weights) when need_weights.
+        """
+        if need_weights and self.fused:
+            raise ValueError("need_weights=True needs fused=False: the fused kernel never forms the weights")
+        batch_size, seq_len, _ = x.shape
+        q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)  # (B, T, nh*hs), (B, T, n_kv*hs) x2
+        q = q.view(batch_size, seq_len, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(batch_size, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
+        v = v.view(batch_size, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
+        if rope is not None:
+            # Rotating before caching: a cached key keeps the angle of the position it was made at.
+            q = rope(q, start_pos)
+            k = rope(k, start_pos)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v, start_pos)  # (B, n_kv, S, hs) with S = start_pos + T
+        dropout_p = self.dropout if self.training else 0.0
+        if self.fused:
+            context = fused_attention(q, k, v, dropout_p)  # (B, nh, T, hs)
+        else:
+            context, weights = explicit_attention(q, k, v, dropout_p)  # (B, nh, T, hs), (B, nh, T, S)
+        context = context.transpose(1, 2).reshape(batch_size, seq_len, self.d_out)  # (B, T, d_out)
+        out = self.out_proj(context)  # (B, T, d_out)
+        return (out, weights) if need_weights else out
+
+    def extra_repr(self) -> str:
+        path = "fused" if self.fused else "explicit"
+        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, dropout={self.dropout}, {path}"

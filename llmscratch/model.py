@@ -1,0 +1,269 @@
+"""The GPT model: one class that is GPT-2 or a Llama-style decoder, chosen by its config.
+
+GPT-2: LayerNorm, GELU MLP, learned positions, multi-head attention with biases, tied
+embeddings. Llama-style: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no biases.
+Both are a stack of pre-norm blocks: ``x = x + attention(norm(x)); x = x + mlp(norm(x))``.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmscratch.attention import KVCache, MultiHeadAttention
+from llmscratch.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Every size and design choice of a GPT; invalid combinations raise ValueError."""
+
+    vocab_size: int = 50257
+    context_length: int = 1024
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # None: as many as n_heads (multi-head attention)
+    d_ff: int | None = None  # MLP hidden size; None: 4 * d_model
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    position: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10_000.0
+    qkv_bias: bool = True  # bias on the query/key/value projection
+    bias: bool = True  # bias on every other linear layer and on LayerNorm
+    tie_embeddings: bool = True  # the output head reuses the token embedding matrix
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    fused_attention: bool = True  # scaled_dot_product_attention; False: the explicit math
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "position": ("learned", "rope")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
+        if self.hidden_dim < 1:
+            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        """A named configuration (see ``PRESETS``), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields {unknown}; the fields are {sorted(fields)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_LLAMA = dict(norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
+PRESETS: dict[str, dict] = {
+    # OpenAI GPT-2 (2019): 124M / 355M / 774M / 1558M parameters with tied embeddings.
+    "gpt2-small": dict(d_model=768, n_layers=12, n_heads=12),
+    "gpt2-medium": dict(d_model=1024, n_layers=24, n_heads=16),
+    "gpt2-large": dict(d_model=1280, n_layers=36, n_heads=20),
+    "gpt2-xl": dict(d_model=1600, n_layers=48, n_heads=25),
+    # Llama-style models small enough to train on a laptop CPU (vocabulary set by the tokenizer).
+    "llama-tiny": dict(_LLAMA, vocab_size=4096, context_length=256, d_model=128, n_layers=4,
+                       n_heads=4, n_kv_heads=2, d_ff=384),
+    "llama-mini": dict(_LLAMA, vocab_size=4096, context_length=256, d_model=256, n_layers=6,
+                       n_heads=8, n_kv_heads=4, d_ff=768),
+    "llama-small": dict(_LLAMA, vocab_size=4096, context_length=512, d_model=512, n_layers=8,
+                        n_heads=8, n_kv_heads=4, d_ff=1536),
+    # TinyLlama 1.1B's shape (a plain Llama 2 architecture: its weights load with load_hf).
+    "tinyllama-1.1b": dict(_LLAMA, vocab_size=32000, context_length=2048, d_model=2048,
+                           n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632, tie_embeddings=False),
+}
+
+
+class RMSNorm(nn.Module):
+    """Scale x to unit root-mean-square over its last dimension, then by a learned gain."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 even for bf16 inputs: the mean of squares loses precision in 8 mantissa bits.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
+        return self.weight * normed.to(x.dtype)
+
+
+class GELUMLP(nn.Module):
+    """GPT-2's feed-forward layer: expand, GELU (tanh approximation), project back."""
+
+    def __init__(self, d_model: int, hidden: int, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # (B, T, d_model)
+
+
+class SwiGLU(nn.Module):
+    """Llama's feed-forward layer: a SiLU-activated gate multiplies a second projection."""
+
+    def __init__(self, d_model: int, hidden: int, bias: bool):
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=bias)
+        self.up = nn.Linear(d_model, hidden, bias=bias)
+        self.down = nn.Linear(hidden, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, d_model)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+class Block(nn.Module):
+    """One transformer block: pre-norm attention and pre-norm MLP, each added to the residual."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = MultiHeadAttention(
+            config.d_model, config.d_model, config.n_heads, config.kv_heads, qkv_bias=config.qkv_bias,
+            out_bias=config.bias, dropout=config.dropout, fused=config.fused_attention,
+        )
+        self.mlp_norm = make_norm(config)
+        mlp_class = SwiGLU if config.mlp == "swiglu" else GELUMLP
+        self.mlp = mlp_class(config.d_model, config.hidden_dim, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, kv_cache: KVCache | None,
+                start_pos: int) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, kv_cache, start_pos))  # (B, T, d)
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d)
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) in, next-token logits (B, T, vocab_size) out."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        if config.position == "learned":
+            self.position_embedding = nn.Embedding(config.context_length, config.d_model)
+            self.rope = None
+        else:
+            self.position_embedding = None
+            self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each block adds two projections to the residual stream, so their
+        # std shrinks with depth to keep the stream's variance from growing layer after layer.
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.out_proj.weight", "mlp.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        """Logits for ids ``idx`` (B, T) sitting at positions start_pos..start_pos+T-1.
+
+        With ``kv_caches`` (one per block, see ``make_kv_caches``) the ids are appended to the
+        cached sequence, so decoding feeds one new token at a time.
+        """
+        seq_len = idx.size(1)
+        if start_pos + seq_len > self.config.context_length:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + seq_len - 1} exceed the model's "
+                f"context_length={self.config.context_length}"
+            )
+        if kv_caches is not None and len(kv_caches) != len(self.blocks):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.blocks)} blocks")
+        x = self.token_embedding(idx)  # (B, T, d)
+        if self.position_embedding is not None:
+            positions = torch.arange(start_pos, start_pos + seq_len, device=idx.device)  # (T,)
+            x = x + self.position_embedding(positions)  # (B, T, d)
+        x = self.dropout(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos)
+        return self.lm_head(self.final_norm(x))  # (B, T, vocab_size)
+
+    def make_kv_caches(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:
+        """One empty cache per block, on this model's device and in its dtype."""
+        max_seq_len = self.config.context_length if max_seq_len is None else max_seq_len
+        weight = self.token_embedding.weight
+        return [
+            KVCache(batch_size, max_seq_len, self.config.kv_heads, self.config.head_dim,
+                    device=weight.device, dtype=weight.dtype)
+            for _ in self.blocks
+        ]
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count (a tied matrix once); without embeddings: minus token and position tables.
+
+        With untied embeddings the output head is a real matrix multiply and stays counted.
+        """
+        total = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        if not include_embeddings:
+            total -= self.token_embedding.weight.numel()
+            if self.position_embedding is not None:
+                total -= self.position_embedding.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> int:
+        """Matmul FLOPs per token: 2 per weight plus attention's QK^T and AV; x3 for training.
+
+        The estimate of the PaLM paper (appendix B): every weight of a matrix multiply costs a
+        multiply and an add per token; attention adds 2 * 2 * n_layers * seq_len * d_model.
+        """
+        seq_len = self.config.context_length if seq_len is None else seq_len
+        matmul_weights = self.num_params(include_embeddings=False)
+        if self.config.tie_embeddings:
+            matmul_weights += self.lm_head.weight.numel()  # the tied table is also the output head
+        matmul_weights -= sum(p.numel() for n, p in self.named_parameters() if p.dim() < 2)
+        forward = 2 * matmul_weights + 4 * self.config.n_layers * seq_len * self.config.d_model
+        return 3 * forward if training else forward

@@ -1,0 +1,55 @@
+"""Rotary position embeddings (RoPE): rotate queries and keys by an angle that grows with position.
+
+Uses the rotate-half convention of Llama and Hugging Face: dimension ``i`` is paired with
+dimension ``i + head_dim/2`` (not with its neighbour ``i + 1`` as in the RoFormer paper), so
+their query/key weights load without permuting rows.
+"""
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Map each pair (x1, x2) = (x[i], x[i + hs/2]) to (-x2, x1): a 90-degree turn of every pair."""
+    x1, x2 = x.chunk(2, dim=-1)  # (..., hs/2) each
+    return torch.cat([-x2, x1], dim=-1)  # (..., hs)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for positions 0..max_seq_len-1; call it on queries or keys."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10_000.0):
+        super().__init__()
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of dimensions, so head_dim must be even and positive; got head_dim={head_dim}")
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive; got max_seq_len={max_seq_len}")
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        self.theta = theta
+        # float64 for the angles: position * frequency loses digits in float32 at long contexts.
+        pair_index = torch.arange(0, head_dim, 2, dtype=torch.float64)  # (hs/2,)
+        inv_freq = theta ** (-pair_index / head_dim)  # (hs/2,) from 1 down to ~1/theta
+        positions = torch.arange(max_seq_len, dtype=torch.float64)  # (T_max,)
+        angles = torch.outer(positions, inv_freq)  # (T_max, hs/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T_max, hs): both halves of a pair share an angle
+        # Not persistent: the tables are derived from (head_dim, max_seq_len, theta), never loaded.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Rotate x (B, nh, T, hs) as if its T rows sat at positions start_pos..start_pos+T-1."""
+        seq_len, head_dim = x.shape[-2:]
+        if head_dim != self.head_dim:
+            raise ValueError(f"this RoPE table is for head_dim={self.head_dim}, got input with head_dim={head_dim}")
+        if start_pos < 0 or start_pos + seq_len > self.max_seq_len:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + seq_len - 1} (start_pos={start_pos}, seq_len={seq_len}) "
+                f"are outside the RoPE table of max_seq_len={self.max_seq_len}"
+            )
+        cos = self.cos[start_pos : start_pos + seq_len].to(x.dtype)  # (T, hs), broadcasts over (B, nh)
+        sin = self.sin[start_pos : start_pos + seq_len].to(x.dtype)  # (T, hs)
+        return x * cos + rotate_half(x) * sin  # (B, nh, T, hs)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"

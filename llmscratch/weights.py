@@ -1,0 +1,260 @@
+"""Hugging Face checkpoints in and out: GPT-2 and Llama families, every tensor accounted for.
+
+A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``). ``load_hf`` maps each tensor to our names and fails, naming
+the tensor, on anything missing, unexpected or mis-shaped; ``save_hf`` writes the reverse.
+"""
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmscratch.model import GPT, GPTConfig
+
+# HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
+_GPT2_LAYER = {  # ours -> HF, inside block i / h.i; "T" marks a transposed Conv1D weight
+    "attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
+    "attn.qkv.weight": "attn.c_attn.weight T", "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.out_proj.weight": "attn.c_proj.weight T", "attn.out_proj.bias": "attn.c_proj.bias",
+    "mlp_norm.weight": "ln_2.weight", "mlp_norm.bias": "ln_2.bias",
+    "mlp.fc.weight": "mlp.c_fc.weight T", "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.weight": "mlp.c_proj.weight T", "mlp.proj.bias": "mlp.c_proj.bias",
+}
+_LLAMA_LAYER = {  # ours -> HF, inside block i / model.layers.i (qkv is handled apart)
+    "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.out_proj.weight": "self_attn.o_proj.weight", "attn.out_proj.bias": "self_attn.o_proj.bias",
+    "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.gate.bias": "mlp.gate_proj.bias",
+    "mlp.up.weight": "mlp.up_proj.weight", "mlp.up.bias": "mlp.up_proj.bias",
+    "mlp.down.weight": "mlp.down_proj.weight", "mlp.down.bias": "mlp.down_proj.bias",
+}
+# Buffers some GPT-2 checkpoints carry (the causal mask): derived, never needed.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+# --------------------------------------------------------------------------- configs
+def config_from_hf(hf: dict) -> GPTConfig:
+    """Our GPTConfig for a Hugging Face ``config.json`` of the GPT-2 or Llama family."""
+    family = hf.get("model_type")
+    if family == "gpt2":
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+            if hf.get(flag):
+                raise ValueError(f"GPT-2 option {flag}=true is not supported")
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported; "
+                             "expected the tanh GELU ('gelu_new')")
+        return GPTConfig(
+            vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
+            n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+        )
+    if family == "llama":
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"RoPE scaling {rope!r} is not supported; only plain RoPE")
+        heads = hf["num_attention_heads"]
+        if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+            raise ValueError(f"head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Llama activation {hf['hidden_act']!r} is not supported; expected 'silu'")
+        attention_bias = hf.get("attention_bias", False)
+        if hf.get("mlp_bias", False) != attention_bias:
+            raise ValueError("attention_bias and mlp_bias must be equal (both biases or none)")
+        return GPTConfig(
+            vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
+            d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads", heads), d_ff=hf["intermediate_size"],
+            norm="rmsnorm", mlp="swiglu", position="rope",
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10_000.0)),
+            qkv_bias=attention_bias, bias=attention_bias, norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+        )
+    raise ValueError(f"model_type {family!r} is not supported; expected 'gpt2' or 'llama'")
+
+
+def family_of(config: GPTConfig) -> str:
+    """'gpt2' or 'llama': the Hugging Face family that can hold this configuration."""
+    if (config.norm, config.mlp, config.position) == ("layernorm", "gelu", "learned") \
+            and config.kv_heads == config.n_heads and config.qkv_bias and config.bias:
+        return "gpt2"
+    if (config.norm, config.mlp, config.position) == ("rmsnorm", "swiglu", "rope") \
+            and config.qkv_bias == config.bias:
+        return "llama"
+    raise ValueError(f"this configuration is neither GPT-2 nor Llama shaped, so no Hugging Face "
+                     f"format holds it: {config}")
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    """The ``config.json`` transformers needs to rebuild this model."""
+    if family_of(config) == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "vocab_size": config.vocab_size, "n_positions": config.context_length,
+                "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
+                "n_inner": config.d_ff, "activation_function": "gelu_new",
+                "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+                "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
+            "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
+            "head_dim": config.head_dim, "intermediate_size": config.hidden_dim, "hidden_act": "silu",
+            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "attention_bias": config.bias, "mlp_bias": config.bias,
+            "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.dropout}
+
+
+# --------------------------------------------------------------------------- tensors
+def hf_to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Rename (and transpose or concatenate) HF tensors into our state dict; strict about leftovers."""
+    tensors = dict(tensors)
+    take = _taker(tensors)
+    ours = {}
+    if family_of(config) == "gpt2":
+        prefix = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
+        ours["token_embedding.weight"] = take(f"{prefix}wte.weight")
+        ours["position_embedding.weight"] = take(f"{prefix}wpe.weight")
+        ours["final_norm.weight"] = take(f"{prefix}ln_f.weight")
+        ours["final_norm.bias"] = take(f"{prefix}ln_f.bias")
+        for i in range(config.n_layers):
+            for name, hf_name in _GPT2_LAYER.items():
+                hf_name, _, transposed = hf_name.partition(" ")
+                tensor = take(f"{prefix}h.{i}.{hf_name}")
+                ours[f"blocks.{i}.{name}"] = tensor.t() if transposed else tensor
+        for name in [k for k in tensors if k.endswith(_IGNORED_SUFFIXES)]:
+            del tensors[name]
+    else:
+        ours["token_embedding.weight"] = take("model.embed_tokens.weight")
+        ours["final_norm.weight"] = take("model.norm.weight")
+        for i in range(config.n_layers):
+            layer = f"model.layers.{i}"
+            for name, hf_name in _LLAMA_LAYER.items():
+                if name.endswith(".bias") and not config.bias:
+                    continue
+                ours[f"blocks.{i}.{name}"] = take(f"{layer}.{hf_name}")
+            # Our fused qkv projection is q_proj, k_proj and v_proj stacked along the output rows.
+            parts = ("weight", "bias") if config.qkv_bias else ("weight",)
+            for part in parts:
+                ours[f"blocks.{i}.attn.qkv.{part}"] = torch.cat(
+                    [take(f"{layer}.self_attn.{p}_proj.{part}") for p in "qkv"])
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some files store the tied head as well
+        ours["lm_head.weight"] = ours["token_embedding.weight"]
+    else:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    if tensors:
+        raise ValueError(f"unexpected tensors in the checkpoint: {sorted(tensors)[:10]}")
+    return ours
+
+
+def ours_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict under transformers' names (the inverse of ``hf_to_ours``)."""
+    hf = {}
+    if family_of(config) == "gpt2":
+        hf["transformer.wte.weight"] = state["token_embedding.weight"]
+        hf["transformer.wpe.weight"] = state["position_embedding.weight"]
+        hf["transformer.ln_f.weight"] = state["final_norm.weight"]
+        hf["transformer.ln_f.bias"] = state["final_norm.bias"]
+        for i in range(config.n_layers):
+            for name, hf_name in _GPT2_LAYER.items():
+                hf_name, _, transposed = hf_name.partition(" ")
+                tensor = state[f"blocks.{i}.{name}"]
+                hf[f"transformer.h.{i}.{hf_name}"] = tensor.t() if transposed else tensor
+    else:
+        hf["model.embed_tokens.weight"] = state["token_embedding.weight"]
+        hf["model.norm.weight"] = state["final_norm.weight"]
+        sizes = (config.n_heads * config.head_dim, config.kv_heads * config.head_dim,
+                 config.kv_heads * config.head_dim)
+        for i in range(config.n_layers):
+            layer = f"model.layers.{i}"
+            for name, hf_name in _LLAMA_LAYER.items():
+                if f"blocks.{i}.{name}" in state:
+                    hf[f"{layer}.{hf_name}"] = state[f"blocks.{i}.{name}"]
+            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
+                q, k, v = state[f"blocks.{i}.attn.qkv.{part}"].split(sizes)
+                for proj, tensor in zip("qkv", (q, k, v)):
+                    hf[f"{layer}.self_attn.{proj}_proj.{part}"] = tensor
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    return {name: tensor.contiguous() for name, tensor in hf.items()}
+
+
+def _taker(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"the checkpoint has no tensor {name!r} (missing)")
+        return tensors.pop(name)
+    return take
+
+
+# --------------------------------------------------------------------------- files
+def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
+    """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
+    config = config_from_hf(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder} has no model.safetensors (nor an index of shards)")
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(folder / shard))
+    state = hf_to_ours(tensors, config)
+    model = GPT(config)
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint, "
+                             f"the config implies {tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype) if dtype is not None else model
+
+
+def save_hf(model: GPT, path: str | os.PathLike) -> None:
+    """Write ``config.json`` and ``model.safetensors`` that transformers' from_pretrained reads."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config = config_to_hf(model.config)
+    tensors = ours_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+
+
+GPT2_HUB_NAMES = {"gpt2-small": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+                  "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+
+
+def download_gpt2(name: str, folder: str | os.PathLike,
+                  base_url: str = "https://huggingface.co") -> Path:
+    """Fetch OpenAI's GPT-2 weights from the Hugging Face hub (needs the internet; never automatic)."""
+    if name not in GPT2_HUB_NAMES:
+        raise ValueError(f"unknown GPT-2 size {name!r}; choose one of {sorted(GPT2_HUB_NAMES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for filename in ("config.json", "model.safetensors"):
+        url = f"{base_url}/{GPT2_HUB_NAMES[name]}/resolve/main/{filename}"
+        target = folder / filename
+        partial = target.with_suffix(target.suffix + ".part")
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response, open(partial, "wb") as out:
+                while chunk := response.read(1 << 20):
+                    out.write(chunk)
+        except (urllib.error.URLError, OSError) as err:
+            partial.unlink(missing_ok=True)
+            raise ConnectionError(
+                f"could not download {url} ({err}). This needs internet access to the Hugging Face "
+                f"hub; offline, use a checkpoint you already have (load_hf) or our own pretraining."
+            ) from None
+        partial.replace(target)
+    return folder
