@@ -7,15 +7,12 @@ import statistics
 import time
 from collections.abc import Callable
 
+from llmscratch.flops import cpu_model
+
 
 def machine_description() -> str:
     """CPU model, core count, Python and torch versions, in one line."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     try:
         import torch
 

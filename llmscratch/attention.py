@@ -44,7 +44,9 @@ def explicit_attention(
     return weights @ v, weights  # (B, nh, T, hs), (B, nh, T, S)
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
     """The same causal attention through scaled_dot_product_attention; returns (B, nh, T, hs)."""
     q_len, kv_len = q.size(-2), k.size(-2)
     # SDPA's is_causal aligns its triangle top-left, right only when queries and keys start at
@@ -102,7 +104,9 @@ class KVCache:
         """Store keys/values (B, n_kv, T, hs) at start_pos..start_pos+T-1; return all of 0..start_pos+T-1."""
         batch_size, n_kv_heads, seq_len, head_dim = keys.shape
         if batch_size > self.batch_size:
-            raise ValueError(f"batch of {batch_size} does not fit a KVCache allocated for batch_size={self.batch_size}")
+            raise ValueError(
+                f"batch of {batch_size} does not fit a KVCache allocated for batch_size={self.batch_size}"
+            )
         if (n_kv_heads, head_dim) != (self.keys.size(1), self.keys.size(3)):
             raise ValueError(
                 f"keys have n_kv_heads={n_kv_heads}, head_dim={head_dim}; this KVCache holds "
@@ -152,7 +156,8 @@ class MultiHeadAttention(nn.Module):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if min(d_in, d_out, n_heads, n_kv_heads) <= 0:
             raise ValueError(
-                f"sizes must be positive; got d_in={d_in}, d_out={d_out}, n_heads={n_heads}, n_kv_heads={n_kv_heads}"
+                f"sizes must be positive; got d_in={d_in}, d_out={d_out}, "
+                f"n_heads={n_heads}, n_kv_heads={n_kv_heads}"
             )
         if d_out % n_heads:
             raise ValueError(f"d_out={d_out} is not divisible by n_heads={n_heads}")
@@ -209,4 +214,7 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         path = "fused" if self.fused else "explicit"
-        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, dropout={self.dropout}, {path}"
+        return (
+            f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"dropout={self.dropout}, {path}"
+        )

@@ -21,7 +21,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10_000.0):
         super().__init__()
         if head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"RoPE rotates pairs of dimensions, so head_dim must be even and positive; got head_dim={head_dim}")
+            raise ValueError(
+                f"RoPE rotates pairs of dimensions, so head_dim must be even and positive; "
+                f"got head_dim={head_dim}"
+            )
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive; got max_seq_len={max_seq_len}")
         self.head_dim = head_dim
@@ -41,10 +44,13 @@ class RotaryEmbedding(nn.Module):
         """Rotate x (B, nh, T, hs) as if its T rows sat at positions start_pos..start_pos+T-1."""
         seq_len, head_dim = x.shape[-2:]
         if head_dim != self.head_dim:
-            raise ValueError(f"this RoPE table is for head_dim={self.head_dim}, got input with head_dim={head_dim}")
+            raise ValueError(
+                f"this RoPE table is for head_dim={self.head_dim}, got input with head_dim={head_dim}"
+            )
         if start_pos < 0 or start_pos + seq_len > self.max_seq_len:
             raise ValueError(
-                f"positions {start_pos}..{start_pos + seq_len - 1} (start_pos={start_pos}, seq_len={seq_len}) "
+                f"positions {start_pos}..{start_pos + seq_len - 1} "
+                f"(start_pos={start_pos}, seq_len={seq_len}) "
                 f"are outside the RoPE table of max_seq_len={self.max_seq_len}"
             )
         cos = self.cos[start_pos : start_pos + seq_len].to(x.dtype)  # (T, hs), broadcasts over (B, nh)

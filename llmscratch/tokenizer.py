@@ -279,8 +279,8 @@ class BPETokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------ files
-    def save(self, path: str | os.PathLike) -> None:
-        """Write a versioned JSON file, one merge per line with the token it makes."""
+    def to_json(self) -> str:
+        """The tokenizer as versioned JSON text, one merge per line with the token it makes."""
         byte_order = None if self.byte_order == list(range(256)) else self.byte_order
         header = {"format": FILE_FORMAT, "version": FILE_VERSION, "name": self.name,
                   "pattern": self.pattern, "special_tokens": self.special_tokens,
@@ -290,32 +290,44 @@ class BPETokenizer:
             f"    {json.dumps([left, right, _readable(self.vocab[new_id])], ensure_ascii=False)}"
             for (left, right), new_id in self.merges.items()
         ]
-        text = "{\n" + "\n".join(lines) + '\n  "merges": [\n' + ",\n".join(merge_lines) + "\n  ]\n}\n"
-        _write_atomically(Path(path), text)
+        return "{\n" + "\n".join(lines) + '\n  "merges": [\n' + ",\n".join(merge_lines) + "\n  ]\n}\n"
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "BPETokenizer":
-        """Read a file written by ``save``; a corrupt or unknown file is a ValueError."""
+    def from_json(cls, text: str, source: str = "the tokenizer JSON") -> "BPETokenizer":
+        """Parse ``to_json`` output; a corrupt or unknown document is a ValueError naming ``source``."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not a tokenizer file (invalid JSON: {err})") from None
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
         if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
-            raise ValueError(f"{path} is not an {FILE_FORMAT} file (format field missing or wrong)")
+            raise ValueError(f"{source} is not an {FILE_FORMAT} file (format field missing or wrong)")
         if data.get("version") != FILE_VERSION:
-            raise ValueError(f"{path} has version {data.get('version')!r}; this llmscratch "
+            raise ValueError(f"{source} has version {data.get('version')!r}; this llmscratch "
                              f"reads version {FILE_VERSION}")
         try:
             merges = [(int(left), int(right)) for left, right, _ in data["merges"]]
             tokenizer = cls(merges, pattern=data["pattern"], special_tokens=data["special_tokens"],
                             byte_order=data["byte_order"], name=data["name"])
         except (KeyError, TypeError, ValueError, regex.error) as err:
-            raise ValueError(f"{path} is a corrupt tokenizer file: {err!r}") from None
+            raise ValueError(f"{source} is a corrupt tokenizer file: {err!r}") from None
         for index, (_, _, shown) in enumerate(data["merges"]):
             if shown != _readable(tokenizer.vocab[256 + index]):
-                raise ValueError(f"{path} is a corrupt tokenizer file: merge {index} makes "
+                raise ValueError(f"{source} is a corrupt tokenizer file: merge {index} makes "
                                  f"{_readable(tokenizer.vocab[256 + index])!r}, the file says {shown!r}")
         return tokenizer
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``to_json()`` to ``path`` atomically (a crash never leaves half a file)."""
+        _write_atomically(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "BPETokenizer":
+        """Read a file written by ``save``; a corrupt or unknown file is a ValueError."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path} is not a tokenizer file (not UTF-8: {err})") from None
+        return cls.from_json(text, source=str(path))
 
 
 def load_gpt2_ranks() -> dict[bytes, int]:

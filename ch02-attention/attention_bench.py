@@ -1,0 +1,249 @@
+"""Time forward+backward and measure peak memory of the attention paths over sequence lengths.
+
+Three variants of one llmscratch MultiHeadAttention (same weights): the explicit path, the fused
+path (scaled_dot_product_attention) and torch.compile of the fused module. Prints a table and
+saves a plot. Example: python ch02-attention/attention_bench.py --seq-lens 128 256 512
+"""
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # a script writes a PNG; it needs no display
+import matplotlib.pyplot as plt
+from matplotlib.ticker import NullLocator
+import torch
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+
+from llmscratch.attention import MultiHeadAttention
+from llmscratch.flops import cpu_model
+from llmscratch.rope import RotaryEmbedding
+
+VARIANTS = ("explicit", "fused", "compiled")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Keep the description's line breaks and show each flag's default."""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add = parser.add_argument
+    add("--seq-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096],
+        help="sequence lengths to measure")
+    add("--batch-size", type=int, default=2, help="sequences per batch")
+    add("--d-model", type=int, default=256, help="input and output width")
+    add("--n-heads", type=int, default=4, help="query heads; the head size is d_model / n_heads")
+    add("--n-kv-heads", type=int, default=None,
+        help="key/value heads for grouped-query attention; None means n_heads (multi-head)")
+    add("--rope", action="store_true", help="rotate queries and keys with RoPE")
+    add("--repeats", type=int, default=7, help="timed forward+backward steps per variant; reports the median")
+    add("--warmup", type=int, default=2,
+        help="untimed steps first; the compiled variant compiles during the first, whose time is reported")
+    add("--no-compile", action="store_true", help="skip the torch.compile variant (which builds C++ on CPU)")
+    add("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available, else cpu")
+    add("--threads", type=int, default=None,
+        help="CPU threads for PyTorch (None: torch's default); 1 steadies timings on a shared machine")
+    add("--dtype", choices=["auto", *DTYPES], default="auto",
+        help="auto: bfloat16 on cuda (what flash kernels need), float32 on cpu")
+    add("--out", type=Path, default=Path("runs/attention_bench.png"), help="where to save the plot (PNG)")
+    add("--seed", type=int, default=0, help="seed for the weights and inputs")
+    args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda asked for, but this torch sees no CUDA device")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    threads = [] if args.threads is None else [args.threads]
+    if min(args.seq_lens + [args.batch_size, args.repeats] + threads) <= 0 or args.warmup < 1:
+        parser.error("--seq-lens, --batch-size, --repeats and --threads must be positive, --warmup at least 1")
+    return args
+
+
+def build_variants(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
+    """The explicit, fused and (unless --no-compile) compiled modules, all with the same weights."""
+    torch.manual_seed(args.seed)
+    explicit = MultiHeadAttention(args.d_model, args.d_model, args.n_heads, args.n_kv_heads, fused=False)
+    fused = MultiHeadAttention(args.d_model, args.d_model, args.n_heads, args.n_kv_heads, fused=True)
+    fused.load_state_dict(explicit.state_dict())
+    dtype = DTYPES[args.dtype]
+    variants = {"explicit": explicit.to(args.device, dtype), "fused": fused.to(args.device, dtype)}
+    if not args.no_compile:
+        variants["compiled"] = torch.compile(variants["fused"])
+    return variants
+
+
+def make_step(module, rope, x: torch.Tensor, grad_out: torch.Tensor):
+    """One training-like step: forward, backward, then drop the gradients so every step starts alike."""
+
+    def step():
+        module(x, rope).backward(grad_out)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return step
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def seconds(step, device: str) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_variants(steps: dict, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """For each variant: (seconds of its first step, compilation included; median of the timed steps)."""
+    first = {}
+    for name, step in steps.items():
+        first[name] = seconds(step, args.device)
+        for _ in range(args.warmup - 1):
+            step()
+    timings = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        # Round-robin, so that a slow spell of a shared machine hits every variant alike.
+        for name, step in steps.items():
+            timings[name].append(seconds(step, args.device))
+    return {name: (first[name], statistics.median(timings[name])) for name in steps}
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence file descriptor 2: the CPU profiler's C++ side logs two lines per use there."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_bytes(step, device: str) -> int:
+    """Peak bytes held by PyTorch's allocator during one step, above what was held before it.
+
+    CUDA keeps this statistic itself. On CPU, we replay the allocation and free events the profiler
+    records (PyTorch tensors only, not Python objects or the allocator's own caching).
+    """
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()  # negative for a free
+        peak = max(peak, held)
+    return peak
+
+
+def sdpa_kernels(module, rope, x: torch.Tensor) -> str:
+    """Names of the kernels scaled_dot_product_attention dispatched to for this input."""
+    with torch.no_grad(), quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        module(x, rope)
+    names = {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+    return ", ".join(sorted(names)) or "none found"
+
+
+def describe_machine(args: argparse.Namespace) -> str:
+    if args.device == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"{cpu_model()}, {torch.get_num_threads()} threads"
+    return f"torch {torch.__version__} on {args.device} ({where}), {args.dtype}"
+
+
+def print_table(results: dict, args: argparse.Namespace) -> None:
+    names = [n for n in VARIANTS if n in results]
+    header = ["seq_len", *(f"{n} ms" for n in names), "fused/explicit", *(f"{n} MiB" for n in names)]
+    if "compiled" in names:
+        header.append("compile s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---:|" * len(header))
+    for seq_len in args.seq_lens:
+        row = [str(seq_len)]
+        row += [f"{results[n][seq_len]['ms']:.1f}" for n in names]
+        row.append(f"{results['fused'][seq_len]['ms'] / results['explicit'][seq_len]['ms']:.2f}")
+        row += [f"{results[n][seq_len]['mib']:.1f}" for n in names]
+        if "compiled" in names:
+            row.append(f"{results['compiled'][seq_len]['first_s']:.1f}")
+        print("| " + " | ".join(row) + " |")
+
+
+def plot(results: dict, args: argparse.Namespace, title: str) -> None:
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, by_len in results.items():
+        ax_time.plot(args.seq_lens, [by_len[t]["ms"] for t in args.seq_lens], marker="o", label=name)
+        ax_mem.plot(args.seq_lens, [by_len[t]["mib"] for t in args.seq_lens], marker="o", label=name)
+    for ax, ylabel in [(ax_time, "forward+backward (ms, median)"), (ax_mem, "peak memory above start (MiB)")]:
+        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel=ylabel)
+        ax.xaxis.set_minor_locator(NullLocator())  # label only the measured lengths
+        ax.set_xticks(args.seq_lens, [str(t) for t in args.seq_lens])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        variants = build_variants(args)
+        head_dim = args.d_model // args.n_heads
+        rope = RotaryEmbedding(head_dim, max(args.seq_lens)).to(args.device) if args.rope else None
+    except ValueError as error:
+        raise SystemExit(f"error: {error}")
+    n_kv_heads = args.n_kv_heads or args.n_heads
+    title = (f"{describe_machine(args)}; batch {args.batch_size}, d_model {args.d_model}, "
+             f"{args.n_heads} heads / {n_kv_heads} kv heads{', RoPE' if args.rope else ''}")
+    print(title)
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def random_input(seq_len: int) -> torch.Tensor:
+        shape = (args.batch_size, seq_len, args.d_model)
+        return torch.randn(shape, generator=generator).to(args.device, DTYPES[args.dtype])
+
+    print(f"fused path runs: {sdpa_kernels(variants['fused'], rope, random_input(args.seq_lens[0]))}")
+    results = {name: {} for name in variants}
+    for seq_len in tqdm(args.seq_lens, desc=f"measuring {', '.join(variants)}"):
+        x = random_input(seq_len).requires_grad_()
+        grad_out = random_input(seq_len)
+        steps = {name: make_step(module, rope, x, grad_out) for name, module in variants.items()}
+        for name, (first_s, median_s) in time_variants(steps, args).items():
+            mib = peak_bytes(steps[name], args.device) / 2**20
+            results[name][seq_len] = {"ms": median_s * 1e3, "mib": mib, "first_s": first_s}
+    print_table(results, args)
+    plot(results, args, title)
+    memory_note = ("torch.cuda.max_memory_allocated" if args.device == "cuda"
+                   else "PyTorch CPU allocations replayed from the profiler")
+    print(f"peak memory: {memory_note}, above what was held before the step")
+    if "compiled" in variants:
+        print("compile s: the first compiled step, compilation included (not in the medians)")
+    print(f"plot saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Peak FLOP/s of the machine, for model FLOPs utilisation (MFU) = achieved / peak.
+
+On CUDA the peak comes from a table of datasheet figures (dense, no sparsity); on a CPU it
+is a matrix-multiply ceiling measured once on that machine and cached. Nothing assumes one GPU.
+"""
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense datasheet peaks in TFLOP/s, by matmul precision. "fp32" is plain FP32; "tf32" is FP32
+# inputs on tensor cores (used when torch allows TF32 matmuls).
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """Datasheet peak FLOP/s for a GPU name as CUDA reports it, or None if not in the table."""
+    precision = _PRECISION[dtype]
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"
+    for name, peaks in GPU_PEAK_TFLOPS.items():  # first match wins: "H100 PCIe" before "H100"
+        if name in device_name and precision in peaks:
+            return peaks[precision] * 1e12
+    return None
+
+
+def measure_matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 10,
+                         device: str = "cpu") -> float:
+    """FLOP/s of a (size x size) @ (size x size) product: the best of several timed runs."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b  # warm-up: thread pools, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "llmscratch" / "peak_flops.json"
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> float:
+    """This CPU's measured matmul ceiling for ``dtype``, cached per CPU, torch version and threads."""
+    key = f"{platform.processor() or platform.machine()}|{cpu_model()}|torch {torch.__version__}|" \
+          f"threads {torch.get_num_threads()}|{_PRECISION[dtype]}"
+    path = _cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure_matmul_flops(dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cache, indent=1))
+        except OSError:
+            pass  # a read-only home: measure again next time
+    return cache[key]
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s per process: the override, the GPU table, or the measured CPU ceiling."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu":
+        return cpu_peak_flops(dtype)
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or 'unknown cpu' elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown cpu"

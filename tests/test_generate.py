@@ -1,0 +1,339 @@
+"""Generation: greedy against transformers, cache against no cache, the samplers, EOS, context, text."""
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
+
+import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
+
+from llmscratch.generate import (  # noqa: E402
+    generate, generate_text, ids_to_text, sample_next_token, stream, stream_text, text_to_ids,
+    top_k_filter, top_p_filter,
+)
+from llmscratch.model import GPT, GPTConfig  # noqa: E402
+from llmscratch.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
+from llmscratch.weights import load_hf  # noqa: E402
+
+TINY = {
+    "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),
+    "llama": dict(vocab_size=89, context_length=32, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                  d_ff=80, norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False,
+                  tie_embeddings=False, rope_theta=50_000.0),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """Every parameter random, large enough that greedy decoding does not repeat one token."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            is_gain = param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
+            param.copy_(1.0 + 0.1 * noise if is_gain else scale * noise)
+
+
+def tiny(kind: str, **overrides) -> GPT:
+    model = GPT(GPTConfig(**{**TINY[kind], **overrides}))
+    randomize(model, seed=0, scale=0.2)
+    return model.eval()
+
+
+def prompts(batch: int, length: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def spelling_model(successor: dict[int, int], vocab_size: int = 50) -> GPT:
+    """A GPT whose greedy next token is successor[last token], whatever came before.
+
+    The blocks add nothing (zero output projections); each token of the map embeds as its own
+    one-hot direction, and the head's row for successor[t] points along t's direction.
+    """
+    model = GPT(GPTConfig(vocab_size=vocab_size, context_length=64, d_model=len(successor) + 1,
+                          n_layers=1, n_heads=1, tie_embeddings=False))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+        model.final_norm.weight.fill_(1.0)
+        for slot, (token, following) in enumerate(successor.items()):
+            model.token_embedding.weight[token, slot] = 1.0
+            model.lm_head.weight[following, slot] = 1.0
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_greedy_with_cache_equals_greedy_without(kind):
+    model = tiny(kind)
+    idx = prompts(3, 6, model.config.vocab_size)
+    cached = generate(model, idx, 27)  # 6 + 27 - 1 = 32 = context_length: the cache's limit
+    uncached = generate(model, idx, 27, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert cached.shape == (3, 33) and torch.equal(cached[:, :6], idx)
+    assert all(len(set(row.tolist())) > 3 for row in cached[:, 6:])  # not one repeated token
+
+
+def hf_gpt2():
+    config = transformers.GPT2Config(vocab_size=311, n_positions=64, n_embd=48, n_layer=3, n_head=4,
+                                     bos_token_id=None, eos_token_id=None, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    randomize(model, seed=1, scale=0.1)
+    return model
+
+
+def hf_llama():
+    config = transformers.LlamaConfig(
+        vocab_size=293, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=96,
+        rope_theta=123_456.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    randomize(model, seed=2, scale=0.2)
+    return model
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama-gqa"])
+def test_greedy_matches_transformers(tmp_path, build):
+    reference = build()
+    reference.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    idx = prompts(3, 8, ours.config.vocab_size)
+    with torch.no_grad():  # no eos_token_id in the config: transformers runs all 40 steps too
+        expected = reference.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=40,
+                                      do_sample=False)
+        top2 = reference(expected).logits[:, 7:-1].topk(2, dim=-1).values  # (B, 40, 2)
+    # The check is only meaningful without near-ties, where rounding could pick either token.
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-4
+    assert expected.shape == (3, 48)
+    assert all(len(set(row.tolist())) > 3 for row in expected[:, 8:])  # not one repeated token
+    assert torch.equal(generate(ours, idx, 40), expected)
+    assert torch.equal(generate(ours, idx, 40, use_cache=False), expected)
+
+
+# --------------------------------------------------------------------------- samplers
+def test_top_k_filter_keeps_the_k_largest():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
+    for k in (1, 5, 30, 100):
+        filtered = top_k_filter(logits, k)
+        for row, out in zip(logits.tolist(), filtered.tolist()):
+            keep = set(sorted(range(30), key=lambda i: -row[i])[:k])
+            assert all((out[i] == row[i]) if i in keep else out[i] == -math.inf for i in range(30))
+
+
+def brute_force_nucleus(probs: list[float], p: float) -> set[int]:
+    """The fewest tokens, most likely first (ties: lower id first), whose mass reaches p."""
+    ranked = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    mass = 0.0
+    for count, token in enumerate(ranked, start=1):
+        mass += probs[token]
+        if mass >= p:
+            return set(ranked[:count])
+    return set(ranked)
+
+
+def test_top_p_filter_keeps_the_smallest_set_reaching_p():
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.randn(12, generator=generator) * scale for scale in (0.1, 1.0, 3.0, 10.0)]
+    cases += [torch.randint(3, (12,), generator=generator).float() for _ in range(4)]  # many ties
+    cases += [torch.zeros(12), torch.arange(100).remainder(3).eq(0).float()]  # long runs of ties
+    checked = 0
+    for logits in cases:
+        probs = torch.softmax(logits, dim=-1).tolist()
+        ranked = sorted(probs, reverse=True)
+        prefix_masses = [sum(ranked[:n]) for n in range(1, len(ranked) + 1)]
+        for p in torch.rand(20, generator=generator).tolist() + [1.0, 1e-9]:
+            if p < 1.0 and min(abs(p - mass) for mass in prefix_masses) < 1e-5:
+                continue  # within float rounding of a boundary, either answer is right
+            kept = {i for i, x in enumerate(top_p_filter(logits, p).tolist()) if x != -math.inf}
+            assert kept == brute_force_nucleus(probs, p), (logits, p)
+            assert top_p_filter(logits, p)[sorted(kept)].equal(logits[sorted(kept)])
+            checked += 1
+    assert checked > 160
+    assert top_p_filter(torch.zeros(12), 0.3).isfinite().tolist() == [True] * 4 + [False] * 8
+
+
+def test_sampling_follows_the_softmax_probabilities():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    n = 20_000
+    generator = torch.Generator().manual_seed(0)
+
+    def frequencies(**sampling):
+        draws = sample_next_token(logits.expand(n, 5), generator=generator, **sampling)
+        return torch.bincount(draws, minlength=5).double() / n
+
+    def softmax(values):  # by hand, in float64
+        exps = [math.exp(v) for v in values]
+        return torch.tensor([e / sum(exps) for e in exps], dtype=torch.float64)
+
+    # 0.015 is over 4 standard deviations of a frequency over 20,000 draws.
+    assert (frequencies(temperature=1.0) - softmax(logits.tolist())).abs().max() < 0.015
+    scaled = [v / 2.0 for v in logits.tolist()]
+    assert (frequencies(temperature=2.0) - softmax(scaled)).abs().max() < 0.015
+    third = sorted(scaled)[-3]
+    top3 = softmax([v if v >= third else -math.inf for v in scaled])  # the top 3 renormalised
+    assert (frequencies(temperature=2.0, top_k=3) - top3).abs().max() < 0.015
+    probs = softmax(logits.tolist())  # 0.563, 0.207, 0.126, 0.028, 0.076: the top 3 hold 0.896
+    nucleus = torch.tensor([probs[0], probs[1], probs[2], 0, 0], dtype=torch.float64) / probs[:3].sum()
+    assert (frequencies(temperature=1.0, top_p=0.85) - nucleus).abs().max() < 0.015
+
+
+def test_top_k_one_and_a_tiny_top_p_are_greedy():
+    model = tiny("llama")
+    idx = prompts(3, 5, model.config.vocab_size)
+    greedy = generate(model, idx, 20)
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(generate(model, idx, 20, temperature=1.5, top_k=1, generator=generator), greedy)
+    assert torch.equal(generate(model, idx, 20, temperature=1.5, top_p=1e-6, generator=generator), greedy)
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model = tiny("gpt2")
+    idx = prompts(3, 5, model.config.vocab_size)
+
+    def sample(seed, **options):
+        return generate(model, idx, 20, temperature=1.2, generator=torch.Generator().manual_seed(seed), **options)
+
+    assert torch.equal(sample(1), sample(1))
+    assert not torch.equal(sample(1), sample(2))
+    assert torch.equal(sample(3, top_k=20, top_p=0.9), sample(3, top_k=20, top_p=0.9, use_cache=False))
+
+
+# --------------------------------------------------------------------------- EOS and streaming
+CHAIN = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8, 8: 8}  # 8 repeats forever
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_each_row_stops_at_its_own_eos_and_is_padded(use_cache):
+    model = spelling_model(CHAIN)
+    idx = torch.tensor([[0, 1], [0, 3], [0, 6]])
+    out = generate(model, idx, 6, eos_id=5, pad_id=0, use_cache=use_cache)
+    assert out[:, 2:].tolist() == [[2, 3, 4, 5, 0, 0], [4, 5, 0, 0, 0, 0], [7, 8, 8, 8, 8, 8]]
+    padded_with_eos = generate(model, idx, 6, eos_id=5, use_cache=use_cache)  # pad_id defaults to eos_id
+    assert padded_with_eos[:, 2:].tolist() == [[2, 3, 4, 5, 5, 5], [4, 5, 5, 5, 5, 5], [7, 8, 8, 8, 8, 8]]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_ends_early_when_every_row_is_done(use_cache):
+    model = spelling_model(CHAIN)
+    idx = torch.tensor([[1], [3], [5]])  # an EOS in the prompt does not finish a row
+    out = generate(model, idx, 10, eos_id=6, pad_id=0, use_cache=use_cache)
+    assert out.tolist() == [[1, 2, 3, 4, 5, 6], [3, 4, 5, 6, 0, 0], [5, 6, 0, 0, 0, 0]]
+    assert generate(model, idx, 10, use_cache=use_cache).shape == (3, 11)  # without eos_id: all 10
+
+
+def test_stream_yields_the_tokens_of_generate():
+    model = tiny("llama")
+    idx = prompts(2, 4, model.config.vocab_size)
+    options = dict(temperature=0.9, top_k=40, top_p=0.95, eos_id=7)
+    expected = generate(model, idx, 25, generator=torch.Generator().manual_seed(5), **options)
+    steps = list(stream(model, idx, 25, generator=torch.Generator().manual_seed(5), **options))
+    assert all(step.shape == (2,) for step in steps)
+    assert torch.equal(torch.stack(steps, dim=1), expected[:, 4:])
+
+
+def test_eval_mode_for_the_call_then_the_previous_mode():
+    model = tiny("gpt2", dropout=0.5).train()
+    idx = prompts(2, 4, model.config.vocab_size)
+    out = generate(model, idx, 10)
+    assert model.training  # restored
+    assert torch.equal(out, generate(model.eval(), idx, 10))  # dropout was off while generating
+    assert not model.training
+    assert not out.is_inference()  # an ordinary tensor the caller may modify in place
+    steps = stream(model.train(), idx, 10)
+    next(steps)
+    assert not model.training and not torch.is_inference_mode_enabled()  # only inside the steps
+    steps.close()
+    assert model.training
+
+
+# --------------------------------------------------------------------------- context
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_without_cache_the_window_slides_over_the_last_context_length_tokens(kind):
+    model = tiny(kind)  # context_length 32
+    idx = prompts(2, 40, model.config.vocab_size)  # already longer than the context
+    expected = idx
+    with torch.no_grad():
+        for _ in range(10):  # nanoGPT's loop
+            next_ids = model(expected[:, -32:])[:, -1].argmax(dim=-1, keepdim=True)
+            expected = torch.cat([expected, next_ids], dim=1)
+    assert torch.equal(generate(model, idx, 10, use_cache=False), expected)
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_with_cache_too_long_a_request_names_the_lengths(kind):
+    model = tiny(kind)
+    with pytest.raises(ValueError, match=r"20-token prompt plus max_new_tokens=14 feeds the model 33 "
+                                         r"tokens.*context_length=32.*use_cache=False"):
+        generate(model, prompts(1, 20, model.config.vocab_size), 14)
+    with pytest.raises(ValueError, match=r"40-token prompt plus max_new_tokens=1 .* 40 tokens"):
+        generate(model, prompts(1, 40, model.config.vocab_size), 1)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(max_new_tokens=-1), "max_new_tokens must be >= 0, got -1"),
+    (dict(temperature=-0.5), "temperature must be >= 0 .*got -0.5"),
+    (dict(temperature=float("nan")), "temperature must be >= 0 .*got nan"),
+    (dict(top_k=0), "top_k must be at least 1 .*got 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\] .*got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\] .*got 1.5"),
+    (dict(idx=torch.tensor([1, 2, 3])), r"shape \(batch, prompt_length\).*got \(3,\)"),
+    (dict(idx=torch.zeros(1, 0, dtype=torch.long)), r"got \(1, 0\)"),
+    (dict(idx=torch.zeros(1, 3)), "LongTensor.*got torch.float32"),
+    (dict(idx=torch.tensor([[1, 97]])), "ids 1..97, outside 0..96"),
+    (dict(eos_id=97), "eos_id=97 is not a token id"),
+    (dict(eos_id=3, pad_id=-1), "pad_id=-1 is not a token id"),
+    (dict(pad_id=0), "pad_id=0 needs an eos_id"),
+])
+def test_bad_arguments_are_named(change, message):
+    model = tiny("gpt2")
+    arguments = {"idx": torch.tensor([[1, 2]]), "max_new_tokens": 3, **change}
+    with pytest.raises(ValueError, match=message):
+        generate(model, **arguments)
+    with pytest.raises(ValueError, match=message):
+        stream(model, **arguments)  # checked at the call, before the first token is asked for
+
+
+def test_zero_new_tokens_returns_the_prompt():
+    idx = torch.tensor([[3, 4, 5]])
+    assert torch.equal(generate(tiny("gpt2"), idx, 0), idx)
+
+
+# --------------------------------------------------------------------------- text
+TEXT = "Hello, wörld! 🦙 <|endoftext|> It's 2024."
+
+
+@pytest.fixture(scope="module")
+def gpt2_tokenizer():
+    return BPETokenizer.gpt2()
+
+
+def test_text_helpers_round_trip(gpt2_tokenizer):
+    reference = gpt2_encoding().encode(TEXT, allowed_special={"<|endoftext|>"})
+    for tokenizer in (gpt2_tokenizer, gpt2_encoding()):
+        ids = text_to_ids(TEXT, tokenizer)
+        assert ids.dtype == torch.long and ids.tolist() == [reference]
+        assert 50256 in reference
+        assert ids_to_text(ids, tokenizer) == TEXT
+        assert ids_to_text(ids[0], tokenizer) == TEXT
+    with pytest.raises(ValueError, match=r"one sequence.*got \(2, 3\)"):
+        ids_to_text(torch.zeros(2, 3, dtype=torch.long), gpt2_tokenizer)
+
+
+def test_stream_text_yields_whole_characters_and_stops_at_eos(gpt2_tokenizer):
+    ids = text_to_ids(TEXT, gpt2_tokenizer)[0].tolist()
+    assert len(set(ids)) == len(ids)  # each token has one successor in the spelling model
+    # The llama emoji is 4 bytes over several tokens: single tokens are not whole characters.
+    assert any("\ufffd" in gpt2_tokenizer.decode([token]) for token in ids)
+    successor = dict(zip(ids, ids[1:] + [ids[-1]]))
+    model = spelling_model(successor, vocab_size=50257)
+    steps = len(ids) - 1  # "Hello" is the first token; the model spells out the rest
+    pieces = list(stream_text(model, gpt2_tokenizer, "Hello", steps))
+    assert "".join(pieces) == TEXT[len("Hello"):]
+    assert all(pieces) and not any("\ufffd" in piece for piece in pieces)
+    assert generate_text(model, gpt2_tokenizer, "Hello", steps) == TEXT
+    eos = gpt2_tokenizer.eot_token
+    assert generate_text(model, gpt2_tokenizer, "Hello", steps, eos_id=eos) == TEXT[:TEXT.index("<|")]
