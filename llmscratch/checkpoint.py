@@ -1,13 +1,23 @@
-"""Training checkpoints: written atomically, loaded safely, portable across wrappers.
+"""Checkpoints: written atomically, loaded safely, portable across wrappers.
 
-A checkpoint is one ``torch.save`` file of plain containers and tensors, so it loads with
-``weights_only=True`` (no pickled code runs). It is written to a temporary file in the same
-folder and renamed over the old one: a crash mid-save leaves the previous checkpoint intact.
+Two kinds of file:
+
+* a training checkpoint (``checkpoint.pt``): one ``torch.save`` file of plain containers and
+  tensors (model, optimizer, step, random states, data position, configs, tokenizer), so it
+  loads with ``weights_only=True`` (no pickled code runs);
+* a model export (``model.safetensors``): the weights alone, with the model config and the
+  tokenizer in the file's metadata, for sharing and finetuning.
+
+Both are written to a temporary file in the same folder and renamed over the old one: a
+crash mid-save leaves the previous file intact. ``model_from_checkpoint`` reads either.
 """
 
+import dataclasses
+import json
 import os
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +26,10 @@ import torch
 from torch import nn
 
 from llmscratch.model import GPT, GPTConfig
+from llmscratch.tokenizer import BPETokenizer
 
+CHECKPOINT_FORMAT = "llmscratch-checkpoint"
+EXPORT_FORMAT = "llmscratch-model"
 # Prefixes that wrappers add to parameter names: torch.compile and DistributedDataParallel.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -33,7 +46,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip wrapper prefixes (``_orig_mod.``, ``module.``) from every key."""
+    """Strip wrapper prefixes (``_orig_mod.``, ``module.``, in any order) from every key."""
     cleaned = {}
     for key, value in state.items():
         while key.startswith(_WRAPPER_PREFIXES):
@@ -42,6 +55,7 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return cleaned
 
 
+# --------------------------------------------------------------------------- random state
 def rng_state() -> dict[str, Any]:
     """Every random number generator a training step may draw from, as plain data."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
@@ -52,12 +66,13 @@ def rng_state() -> dict[str, Any]:
                   "has_gauss": np_has_gauss, "gauss": np_gauss},
         "python": {"version": version, "state": list(py_state), "gauss": py_gauss},
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this process's GPU only: one GPU per process
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
     torch.set_rng_state(state["torch"])
     numpy = state["numpy"]
     np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
@@ -65,27 +80,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary file beside ``path``, flush it to disk, then rename."""
-    path = Path(path)
+# --------------------------------------------------------------------------- files
+def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new, never half
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    try:  # make the rename itself survive a power cut
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """``torch.save`` a training state (see ``Trainer.state_dict``) atomically."""
+    _write_atomically(Path(path), lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint without running pickled code; a wrong file is a clear ValueError."""
+    """Load a training checkpoint without running pickled code; a wrong file is a clear ValueError."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}")
@@ -93,9 +121,29 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise ValueError(f"{path} is not a readable llmscratch checkpoint: {err}") from None
-    if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
+    if (not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT
+            or "model" not in state or "model_config" not in state):
         raise ValueError(f"{path} is not an llmscratch checkpoint (no 'model' and 'model_config')")
     return state
+
+
+def config_from_dict(saved: dict[str, Any], source: str = "the checkpoint") -> GPTConfig:
+    """The GPTConfig a checkpoint recorded; unknown fields or bad values are a ValueError."""
+    known = {field.name for field in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ValueError(f"{source} has model config fields this llmscratch does not know: {unknown}")
+    return GPTConfig(**saved)
+
+
+def check_model_config(saved: dict[str, Any], config: GPTConfig) -> None:
+    """ValueError naming every field where a checkpoint's model config differs from ``config``."""
+    current = config.to_dict()
+    differs = {key: (current.get(key), saved.get(key)) for key in sorted(set(current) | set(saved))
+               if current.get(key) != saved.get(key)}
+    if differs:
+        listed = ", ".join(f"{key}: model {now!r} vs checkpoint {then!r}" for key, (now, then) in differs.items())
+        raise ValueError(f"the checkpoint was made for another model ({listed})")
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -110,18 +158,77 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     if missing or unexpected or mismatched:
         problems = []
         if missing:
-            problems.append(f"missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            problems.append(f"missing from the checkpoint: {_some(missing)}")
         if unexpected:
-            problems.append(f"not in the model: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+            problems.append(f"not in the model: {_some(unexpected)}")
         if mismatched:
-            problems.append(f"different shapes: {mismatched[:8]}")
+            problems.append(f"different shapes: {_some(mismatched)}")
         raise ValueError("the checkpoint does not fit this model; " + "; ".join(problems))
     target.load_state_dict(state)
 
 
+def _some(items: list[str], shown: int = 8) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+# --------------------------------------------------------------------------- model exports
+def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokenizer | None = None) -> None:
+    """Write the weights as safetensors, with the model config and tokenizer in its metadata."""
+    from safetensors.torch import save_file
+
+    raw = unwrap(model)
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in raw.state_dict().items()}
+    if raw.config.tie_embeddings:
+        del tensors["lm_head.weight"]  # the same matrix as the token embedding: stored once
+    metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(raw.config.to_dict())}
+    if tokenizer is not None:
+        metadata["tokenizer"] = tokenizer.to_json()
+    _write_atomically(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def _read_export(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+    if metadata.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{path} is not an llmscratch model export (its metadata has no format {EXPORT_FORMAT!r})")
+    return metadata, tensors
+
+
 def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> GPT:
-    """Rebuild the GPT a checkpoint was trained with, with its weights."""
+    """Rebuild the GPT a training checkpoint (.pt) or model export (.safetensors) holds."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        if not path.is_file():
+            raise ValueError(f"no model export at {path}")
+        metadata, tensors = _read_export(path)
+        config = config_from_dict(json.loads(metadata["model_config"]), str(path))
+        if config.tie_embeddings and "token_embedding.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["token_embedding.weight"]
+        model = GPT(config)
+        load_model_state(model, tensors)
+        return model.to(map_location)
     state = load_checkpoint(path, map_location)
-    model = GPT(GPTConfig(**state["model_config"]))
+    model = GPT(config_from_dict(state["model_config"], str(path)))
     load_model_state(model, state["model"])
-    return model
+    return model.to(map_location)
+
+
+def tokenizer_from_checkpoint(path: str | os.PathLike) -> BPETokenizer:
+    """The tokenizer saved with a training checkpoint or a model export."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        if not path.is_file():
+            raise ValueError(f"no model export at {path}")
+        text = _read_export(path)[0].get("tokenizer")
+    else:
+        text = load_checkpoint(path).get("tokenizer")
+    if text is None:
+        raise ValueError(f"{path} was saved without a tokenizer")
+    return BPETokenizer.from_json(text, source=f"the tokenizer in {path}")

@@ -1,7 +1,8 @@
-"""Distributed data parallel with torch.distributed: who am I, which device, how to reduce.
+"""Distributed data parallel with torch.distributed: who am I, which device, how to talk.
 
 ``torchrun --nproc_per_node=N script.py`` sets RANK, LOCAL_RANK and WORLD_SIZE for each
-process; without them everything here degrades to a single process.
+process; without them everything here degrades to a single process, and every collective
+below is a no-op that returns its input.
 """
 
 import os
@@ -33,26 +34,49 @@ def resolve_device(name: str = "auto") -> torch.device:
     """'auto' is CUDA when available, else CPU; anything else must exist on this machine."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for, but this torch sees no CUDA GPU")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r} was asked for, but MPS is not available here")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name; expected auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for, but this torch sees no CUDA GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {name!r} was asked for, but MPS is not available here")
+    elif device.type != "cpu":
+        raise ValueError(f"device {name!r} is not supported; expected auto, cpu, cuda, cuda:N or mps")
     return device
 
 
 def setup(device_name: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun (NCCL on CUDA, gloo on CPU)."""
-    if "RANK" not in os.environ:
-        return DistInfo(device=resolve_device(device_name))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    """Join the process group when launched by torchrun (NCCL on CUDA, gloo on CPU).
+
+    Each process drives one GPU, the one numbered by its LOCAL_RANK on its node.
+    """
     device = resolve_device(device_name)
+    if "RANK" not in os.environ:
+        return DistInfo(device=device)
+    try:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"RANK is set but the torchrun environment is incomplete or wrong: {err!r}") from None
     if device.type == "cuda":
-        device = torch.device("cuda", local_rank)  # one GPU per process
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s); "
+                             f"use --nproc_per_node of at most that")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    elif device.type == "mps" and world_size > 1:
+        raise ValueError("several processes on MPS are not supported by torch.distributed; use cpu or cuda")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
@@ -73,6 +97,23 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Average ``tensor`` over all processes in place; returns it."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def any_process(flag: bool, device: torch.device) -> bool:
+    """True on every process if ``flag`` is true on at least one (so all stop together)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def all_gather_objects(obj: object) -> list[object]:
     """Every process's ``obj``, in rank order (a one-element list for one process)."""
     if not dist.is_initialized():
@@ -80,3 +121,12 @@ def all_gather_objects(obj: object) -> list[object]:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's ``obj`` on every process (whatever the others passed)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

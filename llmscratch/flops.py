@@ -16,10 +16,13 @@ import torch
 # inputs on tensor cores (used when torch allows TF32 matmuls).
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
     "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},  # SXM
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
     "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
     "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
     "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
@@ -34,25 +37,31 @@ def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
     precision = _PRECISION[dtype]
     if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         precision = "tf32"
-    for name, peaks in GPU_PEAK_TFLOPS.items():  # first match wins: "H100 PCIe" before "H100"
+    for name, peaks in GPU_PEAK_TFLOPS.items():  # first match wins: "H100 PCIe" before "H100", "L40S" before "L4"
         if name in device_name and precision in peaks:
             return peaks[precision] * 1e12
     return None
 
 
-def measure_matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 10,
+def measure_matmul_flops(dtype: torch.dtype, size: int = 1536, repeats: int = 8, max_seconds: float = 2.0,
                          device: str = "cpu") -> float:
-    """FLOP/s of a (size x size) @ (size x size) product: the best of several timed runs."""
+    """FLOP/s of a (size x size) @ (size x size) product: the best of several timed runs.
+
+    Stops early after ``max_seconds`` (a CPU without fast float16 would otherwise take minutes).
+    """
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     a @ b  # warm-up: thread pools, kernel selection
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
         if device != "cpu":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > max_seconds:
+            break
     return 2 * size**3 / best
 
 
@@ -74,7 +83,9 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
         cache[key] = measure_matmul_flops(dtype)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cache, indent=1))
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several processes may write at once
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
         except OSError:
             pass  # a read-only home: measure again next time
     return cache[key]

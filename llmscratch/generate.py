@@ -98,17 +98,17 @@ def stream(
     idx (B, T) holds equal-length prompts. Sampling: see ``sample_next_token``; greedy by default.
     eos_id: a row that produced it is finished, and from then on gets pad_id (default eos_id);
     the stream ends early once every row is finished. EOS tokens inside the prompt do not count.
-    use_cache=True prefills the prompt in one forward, then feeds one token at a time; the model
-    must then see at most ``context_length`` tokens: T + max_new_tokens - 1 (the last new token
-    is never fed back), else ValueError. use_cache=False re-runs the last ``context_length``
-    tokens every step (a sliding window): slower, but it never runs out of context.
+    use_cache=True prefills the prompt in one forward, then feeds one token at a time while the
+    sequence fits in ``context_length``. Past that point (and always with use_cache=False) each
+    step re-runs the model on the last ``context_length`` tokens, a sliding window: slower, but it
+    never runs out of context, and both settings choose the same tokens.
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
     _check_sampling(temperature, top_k, top_p)
     idx = _check_prompt(model, idx)
     pad_id = eos_id if pad_id is None else pad_id
-    _check_request(model.config, idx.size(1), max_new_tokens, eos_id, pad_id, use_cache)
+    _check_request(model.config, max_new_tokens, eos_id, pad_id)
     choose = functools.partial(sample_next_token, temperature=temperature, top_k=top_k, top_p=top_p,
                                generator=generator)
     return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
@@ -127,9 +127,8 @@ def _check_prompt(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     return idx.to(model.token_embedding.weight.device)
 
 
-def _check_request(config: GPTConfig, prompt_len: int, max_new_tokens: int, eos_id: int | None,
-                   pad_id: int | None, use_cache: bool) -> None:
-    """ValueError naming the value if the lengths or special ids do not fit this model."""
+def _check_request(config: GPTConfig, max_new_tokens: int, eos_id: int | None, pad_id: int | None) -> None:
+    """ValueError naming the value if the length or the special ids do not fit this model."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
@@ -137,14 +136,6 @@ def _check_request(config: GPTConfig, prompt_len: int, max_new_tokens: int, eos_
             raise ValueError(f"{name}={value} is not a token id of this model (vocab_size={config.vocab_size})")
     if pad_id is not None and eos_id is None:
         raise ValueError(f"pad_id={pad_id} needs an eos_id: without one no row ever finishes")
-    fed_tokens = prompt_len + max_new_tokens - 1
-    if use_cache and fed_tokens > config.context_length:
-        raise ValueError(
-            f"a {prompt_len}-token prompt plus max_new_tokens={max_new_tokens} feeds the model "
-            f"{fed_tokens} tokens with the KV cache, more than its context_length={config.context_length}; "
-            f"shorten either, or pass use_cache=False to slide a window over the last "
-            f"{config.context_length} tokens"
-        )
 
 
 @torch.inference_mode()  # on a generator function, torch enters the mode around each step only
@@ -163,28 +154,30 @@ def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
         return
     batch_size, prompt_len = idx.shape
     context_length = model.config.context_length
-    if use_cache:
-        # Allocated once, sized to what this call feeds the model.
-        kv_caches = model.make_kv_caches(batch_size, prompt_len + max_new_tokens - 1)
+    total_len = prompt_len + max_new_tokens
+    tokens = torch.empty(batch_size, total_len, dtype=torch.long, device=idx.device)  # (B, T + n)
+    tokens[:, :prompt_len] = idx
+    # The cache holds every position the model is fed while the sequence fits in its context
+    # (the last new token is never fed back); sized once, so it is never reallocated.
+    cache_len = min(total_len - 1, context_length) if use_cache and prompt_len <= context_length else 0
+    kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
+    if kv_caches is not None:
         logits = model(idx, kv_caches)[:, -1]  # (B, V): only the last position predicts a new token
     else:
-        tokens = torch.empty(batch_size, prompt_len + max_new_tokens, dtype=torch.long, device=idx.device)
-        tokens[:, :prompt_len] = idx
         logits = model(idx[:, -context_length:])[:, -1]  # (B, V)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=idx.device)  # (B,)
-    for step in range(max_new_tokens):
+    for length in range(prompt_len + 1, total_len + 1):  # tokens so far, the new one included
         next_ids = choose(logits)  # (B,)
         if eos_id is not None:
             next_ids = next_ids.masked_fill(finished, pad_id)  # (B,)
             finished |= next_ids == eos_id
         yield next_ids
-        length = prompt_len + step + 1  # tokens so far, the new one included
-        if length == prompt_len + max_new_tokens or (eos_id is not None and finished.all()):
+        tokens[:, length - 1] = next_ids
+        if length == total_len or (eos_id is not None and finished.all()):
             return
-        if use_cache:
+        if length <= cache_len:  # the new token's position, length - 1, is inside the cache
             logits = model(next_ids[:, None], kv_caches, start_pos=length - 1)[:, -1]  # (B, V)
-        else:
-            tokens[:, length - 1] = next_ids
+        else:  # a sliding window over the last context_length tokens
             logits = model(tokens[:, max(0, length - context_length):length])[:, -1]  # (B, V)
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscratch.attention import KVCache, MultiHeadAttention
+from llmscratch.losses import linear_cross_entropy
 from llmscratch.rope import RotaryEmbedding
 
 
@@ -209,11 +210,15 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, *, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ids ``idx`` (B, T) sitting at positions start_pos..start_pos+T-1.
 
         With ``kv_caches`` (one per block, see ``make_kv_caches``) the ids are appended to the
         cached sequence, so decoding feeds one new token at a time.
+        With ``targets`` (B, T) of next-token ids (-100: skip), returns instead their mean
+        cross-entropy, the same number as ``F.cross_entropy(logits.float().flatten(0, 1),
+        targets.flatten())`` but computed chunk by chunk (``llmscratch.losses``): the (B, T, V)
+        logits, the largest tensor of a training step, are never stored.
         """
         seq_len = idx.size(1)
         if start_pos + seq_len > self.config.context_length:
@@ -230,7 +235,12 @@ class GPT(nn.Module):
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos)
-        return self.lm_head(self.final_norm(x))  # (B, T, vocab_size)
+        x = self.final_norm(x)  # (B, T, d)
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+            return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())  # ()
+        return self.lm_head(x)  # (B, T, vocab_size)
 
     def make_kv_caches(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:
         """One empty cache per block, on this model's device and in its dtype."""

@@ -1,8 +1,8 @@
 """Pretraining: AdamW, warmup + cosine schedule, accumulation, mixed precision, DDP, checkpoints.
 
-``Trainer(model, config, train_tokens, val_tokens, out_dir).fit()`` runs the same on a laptop
-CPU and, launched by ``torchrun``, on many GPUs. The run folder gets ``checkpoint.pt``,
-``metrics.jsonl``, ``loss.png`` and ``summary.json``.
+``Trainer(model, config, train_tokens, val_tokens, out_dir, tokenizer).fit()`` runs the same
+on a laptop CPU and, launched by ``torchrun``, on many GPUs. The run folder gets
+``checkpoint.pt``, ``metrics.jsonl``, ``loss.png``, ``summary.json`` and ``sample.txt``.
 """
 
 import contextlib
@@ -15,16 +15,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmscratch import distributed
-from llmscratch.checkpoint import load_checkpoint, load_model_state, rng_state, save_checkpoint, set_rng_state, unwrap
+from llmscratch.checkpoint import (check_model_config, load_checkpoint, load_model_state, rng_state,
+                                   save_checkpoint, set_rng_state)
 from llmscratch.data import RandomWindowBatches
+from llmscratch.evaluation import autocast, evaluate, next_token_loss, token_byte_lengths
 from llmscratch.flops import peak_flops
 from llmscratch.generate import generate
 from llmscratch.model import GPT
+from llmscratch.runlog import RunLog
 from llmscratch.tokenizer import BPETokenizer
+
+__all__ = ["DTYPES", "TrainConfig", "Trainer", "TrainingDiverged", "autocast", "choose_dtype",
+           "configure_optimizer", "learning_rate"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -32,7 +37,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 @dataclass
 class TrainConfig:
-    """How to train: steps, batch, schedule, precision, and how often to evaluate and save."""
+    """How to train: steps, batch, schedule, precision, and how often to evaluate, sample and save."""
 
     max_steps: int = 1000
     batch_size: int = 16  # sequences per micro-step, per process
@@ -45,29 +50,42 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
     eval_interval: int = 250
-    eval_tokens: int = 32_768  # validation tokens per periodic evaluation (the final one uses all)
+    eval_tokens: int = 32_768  # validation tokens per periodic evaluation
+    final_eval_tokens: int | None = None  # validation tokens of the final evaluation; None: all
     checkpoint_interval: int = 250
     sample_interval: int = 500
     sample_prompt: str = "Call me"
     sample_tokens: int = 48
-    log_interval: int = 10
+    sample_temperature: float = 0.8  # 0: greedy
+    sample_top_k: int | None = 50
+    log_interval: int = 10  # steps between tokens/s and MFU measurements
     dtype: str = "float32"  # "float32", "bfloat16" (autocast) or "float16" (autocast + grad scaler)
     compile: bool = False
     seed: int = 1337
-    peak_tflops: float | None = None  # override the peak used for MFU
+    peak_tflops: float | None = None  # override the peak used for MFU (per process)
+    max_time: float | None = None  # seconds: stop early (with a final evaluation and checkpoint)
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_tokens",
                      "checkpoint_interval", "sample_interval", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"warmup_steps, weight_decay and grad_clip must be >= 0, got "
-                             f"{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens", "sample_temperature"):
+            if not getattr(self, name) >= 0:  # also rejects NaN
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.sample_top_k is not None and self.sample_top_k < 1:
+            raise ValueError(f"sample_top_k must be >= 1 or None, got {self.sample_top_k}")
+        if self.final_eval_tokens is not None and self.final_eval_tokens < 1:
+            raise ValueError(f"final_eval_tokens must be a positive integer or None, got {self.final_eval_tokens}")
+        for name in ("peak_tflops", "max_time"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive (or None), got {getattr(self, name)!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,11 +93,22 @@ class TrainConfig:
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradient became NaN or infinite."""
+    """The loss (or, outside float16, the gradient) became NaN or infinite."""
+
+
+def choose_dtype(device: torch.device) -> str:
+    """The precision a run uses by default: bf16 on GPUs that have it, fp16 on older GPUs, else fp32.
+
+    On CPU float32 stays the default: without AMX matrix units bfloat16 autocast was slower than
+    float32 on the 2-core machine measured for ``benchmarks/RESULTS.md``, and no more accurate.
+    """
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warmup from 0 to ``lr``, then cosine decay to ``min_lr`` at ``max_steps``."""
+    """Linear warmup from 0 to ``lr``, then cosine decay to ``min_lr`` at ``max_steps`` (step is 0-based)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
@@ -96,62 +125,10 @@ def configure_optimizer(model: nn.Module, config: TrainConfig, device: torch.dev
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused runs the whole update in one kernel per dtype on CUDA; foreach batches it on CPU.
-    fused = device.type == "cuda"
+    # fused runs the whole update in one kernel per dtype on CUDA; foreach batches it elsewhere.
+    fused = torch.device(device).type == "cuda"
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
                              fused=fused, foreach=None if fused else True)
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """Mixed precision for the forward pass; a no-op context in float32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def token_byte_lengths(tokenizer: BPETokenizer, vocab_size: int) -> torch.Tensor:
-    """(vocab_size,) UTF-8 byte length of each token id (0 for special and padding ids)."""
-    lengths = torch.zeros(vocab_size, dtype=torch.float64)
-    for token_id, token in tokenizer.vocab.items():
-        lengths[token_id] = len(token)
-    return lengths
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, batch_size: int,
-             device: torch.device, dtype: torch.dtype, max_tokens: int | None = None,
-             dist_info: distributed.DistInfo = distributed.DistInfo()) -> dict[str, float]:
-    """Loss (nats/token), perplexity and bits per byte over consecutive windows of ``tokens``.
-
-    Every token after the first is predicted once. Bits per byte divide the total loss by the
-    bytes those tokens stand for, so models with different tokenizers compare honestly.
-    With several processes each evaluates its share of the windows and the sums are reduced.
-    """
-    context = unwrap(model).config.context_length
-    n_windows = (min(len(tokens), max_tokens or len(tokens)) - 1) // context
-    if n_windows < 1:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than one window "
-                         f"of context_length + 1 = {context + 1}")
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
-    mine = list(range(dist_info.rank, n_windows, dist_info.world_size))
-    for first in range(0, len(mine), batch_size):
-        starts = mine[first : first + batch_size]
-        windows = np.stack([tokens[s * context : s * context + context + 1] for s in starts])
-        windows = torch.from_numpy(windows.astype(np.int64)).to(device)  # (B, T + 1)
-        inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
-        with autocast(device, dtype):
-            logits = model(inputs)  # (B, T, V)
-        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        totals += torch.stack([nats.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=device),
-                               token_bytes.to(device)[targets].sum()])
-    distributed.all_reduce_sum(totals)
-    model.train(was_training)
-    nats, count, n_bytes = totals.tolist()
-    loss = nats / count
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-            "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else float("nan")}
 
 
 class Trainer:
@@ -159,20 +136,23 @@ class Trainer:
 
     def __init__(self, model: GPT, config: TrainConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
                  out_dir: str | Path, tokenizer: BPETokenizer,
-                 dist_info: distributed.DistInfo = distributed.DistInfo()):
+                 dist_info: distributed.DistInfo = distributed.DistInfo(), run_info: dict | None = None):
         self.config = config
         self.dist = dist_info
         self.device = dist_info.device
         self.out_dir = Path(out_dir)
         self.tokenizer = tokenizer
         self.val_tokens = val_tokens
+        self.run_info = run_info or {}  # saved in the checkpoint as it is (e.g. the script's flags)
         self.raw_model = model.to(self.device)
-        self.model: nn.Module = self.raw_model
-        if config.compile:
-            self.model = torch.compile(self.model)
+        # Compile first, then wrap (as nanoGPT does): DDP's no_sync and hooks stay plain Python.
+        self.eval_model: nn.Module = torch.compile(self.raw_model) if config.compile else self.raw_model
+        self.model: nn.Module = self.eval_model
         if dist_info.enabled:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+            # No buffer broadcast: the only buffers (RoPE tables) are the same everywhere by construction.
+            self.model = nn.parallel.DistributedDataParallel(self.eval_model, device_ids=device_ids,
+                                                             broadcast_buffers=False)
         self.optimizer = configure_optimizer(self.raw_model, config, self.device)
         # fp16 has too few exponent bits for small gradients: scale the loss up, unscale before the step.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.dtype == "float16")
@@ -182,14 +162,15 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = config.batch_size * config.grad_accum * model.config.context_length * dist_info.world_size
         peak = peak_flops(self.device, config.torch_dtype, config.peak_tflops)
-        self.peak_flops_all = None if peak is None else peak * dist_info.world_size
-        self.history: list[dict] = []  # this process's log records
-        self.speed: dict[str, float] = {}  # the latest tokens/s and MFU
+        self.peak_flops_all = None if peak is None else peak * dist_info.world_size  # every process counts
+        self.log = RunLog(self.out_dir, enabled=dist_info.is_main)
+        self.history: list[dict] = []  # this process's records since it started
+        self.train_seconds = 0.0  # time spent in train_step since this process started
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> tuple[float, float]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns (loss, gradient norm)."""
-        config, model = self.config, self.model
+        """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm)."""
+        config = self.config
         lr = learning_rate(self.step, config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -198,22 +179,26 @@ class Trainer:
             inputs, targets = (t.to(self.device, non_blocking=True) for t in next(self.batches))  # (B, T)
             # DDP all-reduces gradients on every backward; only the last micro-step needs it.
             last = micro == config.grad_accum - 1
-            sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.model.no_sync()
             with sync:
                 with autocast(self.device, config.torch_dtype):
-                    logits = model(inputs)  # (B, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / config.grad_accum
+                    logits = self.model(inputs)  # (B, T, V)
+                loss = next_token_loss(logits, targets) / config.grad_accum
                 self.scaler.scale(loss).backward()
             total_loss += loss.detach()
         self.scaler.unscale_(self.optimizer)
-        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
+        max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
-        loss_value, norm_value = total_loss.item(), grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            # The gradients are all-reduced, so every process sees the same bad norm and stops.
+        loss_value = distributed.all_reduce_mean(total_loss).item()  # the global batch's loss, for the log
+        norm_value = grad_norm.item()
+        # In float16 an infinite gradient is routine: the scaler skips that step and lowers its scale.
+        bad_norm = not math.isfinite(norm_value) and not self.scaler.is_enabled()
+        if not math.isfinite(loss_value) or bad_norm:
+            # The loss is averaged and the gradients all-reduced, so every process stops here together.
+            self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(
-                f"step {self.step}: loss {loss_value}, gradient norm {norm_value}; the last good "
-                f"checkpoint (if any) is kept in {self.out_dir / CHECKPOINT_FILE}"
+                f"step {self.step + 1}: loss {loss_value}, gradient norm {norm_value}; training stopped. "
+                f"The last good checkpoint (if any) is kept in {self.out_dir / CHECKPOINT_FILE}"
             )
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -228,82 +213,98 @@ class Trainer:
         if resume:
             self.load()  # also restores the random state the interrupted run had
         else:
-            torch.manual_seed(config.seed + self.dist.rank)  # dropout differs between processes
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.manual_seed(config.seed + self.dist.rank)  # dropout masks differ between processes
+            self.log.start()
         bar = None
         if self.dist.is_main and progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=config.max_steps, initial=self.step, desc="pretraining", unit="step")
         self.model.train()
-        window_start, window_steps = time.perf_counter(), 0
+        deadline = None if config.max_time is None else time.monotonic() + config.max_time
+        window_seconds, window_steps = 0.0, 0
         while self.step < config.max_steps:
-            loss, grad_norm = self.train_step()
-            window_steps += 1
+            start = time.perf_counter()
+            loss, grad_norm = self.train_step()  # .item() inside waits for the GPU: the timing is honest
+            elapsed = time.perf_counter() - start
+            self.train_seconds += elapsed
+            window_seconds, window_steps = window_seconds + elapsed, window_steps + 1
+            out_of_time = deadline is not None and distributed.any_process(time.monotonic() > deadline, self.device)
+            last = self.step == config.max_steps or out_of_time
             record = {"step": self.step, "loss": loss, "lr": learning_rate(self.step - 1, config),
                       "grad_norm": grad_norm}
-            if self.step % config.log_interval == 0 or self.step == config.max_steps:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                self.speed = self._speed(window_steps, time.perf_counter() - window_start)
-                record.update(self.speed)
-                window_start, window_steps = time.perf_counter(), 0
-            if self.step % config.eval_interval == 0 or self.step == config.max_steps:
-                final = self.step == config.max_steps
-                metrics = self.evaluate(None if final else config.eval_tokens)
+            if self.step % config.log_interval == 0 or last:
+                record.update(self._speed(window_steps, window_seconds))
+                window_seconds, window_steps = 0.0, 0
+            if self.step % config.eval_interval == 0 or last:
+                metrics = self.evaluate(config.final_eval_tokens if last else config.eval_tokens)
                 record.update({f"val_{k}": v for k, v in metrics.items()})
-            if self.step % config.sample_interval == 0 or self.step == config.max_steps:
+            if (self.step % config.sample_interval == 0 or last) and self.dist.is_main:
                 record["sample"] = self.sample()
-            self._log(record, bar)
-            if self.step % config.checkpoint_interval == 0 or self.step == config.max_steps:
+            self._record(record, bar)
+            if self.step % config.checkpoint_interval == 0 or last:
                 self.save()
+            if out_of_time:
+                break
         if bar is not None:
             bar.close()
         return self.finish()
 
     def _speed(self, steps: int, seconds: float) -> dict:
-        tokens_per_s = steps * self.tokens_per_step / seconds
+        """Tokens per second and model FLOPs utilisation, over all processes."""
+        tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
         speed = {"tokens_per_s": tokens_per_s}
         if self.peak_flops_all:
-            flops = self.raw_model.flops_per_token() * tokens_per_s
-            speed["mfu"] = flops / self.peak_flops_all
+            speed["mfu"] = self.raw_model.flops_per_token() * tokens_per_s / self.peak_flops_all
         return speed
 
     def evaluate(self, max_tokens: int | None = None) -> dict[str, float]:
-        return evaluate(self.model, self.val_tokens, self.token_bytes, self.config.batch_size, self.device,
+        """Validation loss, perplexity and bits per byte (the same on every process)."""
+        # No activations are kept for a backward pass: a whole optimizer step's sequences fit at once.
+        batch_size = self.config.batch_size * self.config.grad_accum
+        return evaluate(self.eval_model, self.val_tokens, self.token_bytes, batch_size, self.device,
                         self.config.torch_dtype, max_tokens, self.dist)
 
     def sample(self) -> str:
-        """Greedy continuation of the sample prompt, from rank 0's view of the model."""
-        prompt = self.tokenizer.encode(self.config.sample_prompt, allowed_special="all") or [0]
-        idx = torch.tensor([prompt], device=self.device)
-        with autocast(self.device, self.config.torch_dtype):
-            out = generate(self.raw_model, idx, max_new_tokens=self.config.sample_tokens)
-        return self.tokenizer.decode(out[0].tolist())
+        """A continuation of the sample prompt, from its own seeded generator (the run's random state is untouched)."""
+        config = self.config
+        prompt = self.tokenizer.encode(config.sample_prompt, allowed_special="all")
+        prompt = prompt[-self.raw_model.config.context_length:] or [self.tokenizer.eot_token or 0]
+        idx = torch.tensor([prompt], device=self.device)  # (1, T)
+        generator = torch.Generator(self.device).manual_seed(config.seed)
+        fits = len(prompt) + config.sample_tokens - 1 <= self.raw_model.config.context_length
+        with autocast(self.device, config.torch_dtype):
+            out = generate(self.raw_model, idx, config.sample_tokens, temperature=config.sample_temperature,
+                           top_k=config.sample_top_k, use_cache=fits, generator=generator)  # (1, T + n)
+        # Ids past the tokenizer's vocabulary (rows that pad the embedding to a round size) decode to nothing.
+        return self.tokenizer.decode([i for i in out[0].tolist() if i < self.tokenizer.vocab_size])
 
-    def _log(self, record: dict, bar) -> None:
+    def _record(self, record: dict, bar) -> None:
         self.history.append(record)
-        if not self.dist.is_main:
-            return
-        with open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if bar is not None:
-            shown = {"loss": f"{record['loss']:.3f}", "lr": f"{record['lr']:.2e}"}
-            if "tokens_per_s" in self.speed:
-                shown["tok/s"] = f"{self.speed['tokens_per_s']:,.0f}"
-            if "mfu" in self.speed:
-                shown["mfu"] = f"{100 * self.speed['mfu']:.1f}%"
-            bar.set_postfix(shown, refresh=False)
-            bar.update(1)
-            if "val_loss" in record:
-                bar.write(f"step {record['step']}: val loss {record['val_loss']:.3f}, "
-                          f"bits/byte {record['val_bits_per_byte']:.3f}")
-            if "sample" in record:
-                bar.write(f"sample: {record['sample']!r}")
+        self.log.append(record)
         if "val_loss" in record:
             self.plot()
+        if bar is None:
+            return
+        shown = {"loss": f"{record['loss']:.3f}", "lr": f"{record['lr']:.2e}"}
+        speed = next((r for r in reversed(self.history) if "tokens_per_s" in r), {})
+        if "tokens_per_s" in speed:
+            shown["tok/s"] = f"{speed['tokens_per_s']:,.0f}"
+        if "mfu" in speed:
+            shown["mfu"] = f"{100 * speed['mfu']:.1f}%"
+        bar.set_postfix(shown, refresh=False)
+        bar.update(1)
+        if "val_loss" in record:
+            bar.write(f"step {record['step']}: val loss {record['val_loss']:.3f}, "
+                      f"bits/byte {record['val_bits_per_byte']:.3f}")
+        if "sample" in record:
+            bar.write(f"sample: {record['sample']!r}")
 
-    # ------------------------------------------------------------------ files
+    def plot(self) -> None:
+        """Redraw loss.png from metrics.jsonl (main process only)."""
+        self.log.plot(f"{self.raw_model.num_params():,} parameters, {self.tokens_per_step:,} tokens per step")
+
+    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly, gathered from every process."""
         return {
@@ -316,76 +317,62 @@ class Trainer:
             "model_config": self.raw_model.config.to_dict(),
             "train_config": dataclasses.asdict(self.config),
             "tokenizer": self.tokenizer.to_json(),
+            "run": self.run_info,
         }
 
     def save(self) -> None:
+        """Write checkpoint.pt (rank 0; the others wait so nobody runs ahead or exits mid-write)."""
         state = self.state_dict()  # every process takes part in the gathers
         if self.dist.is_main:
             save_checkpoint(self.out_dir / CHECKPOINT_FILE, state)
-        distributed.barrier()  # nobody runs ahead (or exits) while rank 0 is writing
+        distributed.barrier()
 
     def load(self) -> None:
+        """Continue from checkpoint.pt: rank 0 reads it and hands it to every process."""
         path = self.out_dir / CHECKPOINT_FILE
-        if not path.is_file():
-            raise ValueError(f"--resume: there is no checkpoint at {path} to resume from")
-        distributed.barrier()
-        state = load_checkpoint(path, map_location=self.device)
-        if state["model_config"] != self.raw_model.config.to_dict():
-            differs = {k: (v, state["model_config"].get(k)) for k, v in self.raw_model.config.to_dict().items()
-                       if state["model_config"].get(k) != v}
-            raise ValueError(f"the checkpoint was trained with another model config; (now, checkpoint): {differs}")
+        state = None
+        if self.dist.is_main:
+            try:
+                state = load_checkpoint(path, map_location="cpu")
+            except ValueError as err:
+                state = {"error": f"cannot resume: {err}"}
+        state = distributed.broadcast_object(state)  # no shared filesystem needed between nodes
+        if "error" in state:
+            raise ValueError(state["error"])
+        check_model_config(state["model_config"], self.raw_model.config)
+        if len(state["batches"]) != self.dist.world_size:
+            raise ValueError(f"the checkpoint was written by {len(state['batches'])} process(es), this run "
+                             f"has {self.dist.world_size}; exact resume needs the same number")
         load_model_state(self.raw_model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        if len(state["batches"]) != self.dist.world_size:
-            raise ValueError(f"the checkpoint was written by {len(state['batches'])} processes, this run "
-                             f"has {self.dist.world_size}; exact resume needs the same number")
-        set_rng_state(state["rng"][self.dist.rank])
+        if self.scaler.is_enabled() and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["batches"][self.dist.rank])
-        if self.dist.is_main:
-            self._truncate_metrics()
-
-    def _truncate_metrics(self) -> None:
-        """Drop the log lines of steps after the checkpoint: the resumed run writes them again."""
-        path = self.out_dir / "metrics.jsonl"
-        if path.is_file():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line and json.loads(line)["step"] <= self.step]
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-
-    def plot(self) -> None:
-        """loss.png: training loss per step and validation loss at each evaluation."""
-        from matplotlib.figure import Figure  # no pyplot: no global backend, safe in notebooks
-
-        records = [json.loads(line) for line in (self.out_dir / "metrics.jsonl").read_text().splitlines()]
-        fig = Figure(figsize=(7, 4))
-        ax = fig.subplots()
-        ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=0.8, alpha=0.6, label="train")
-        val = [r for r in records if "val_loss" in r]
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats per token)")
-        ax.set_title(f"{self.raw_model.num_params():,} parameters, {self.tokens_per_step:,} tokens per step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(self.out_dir / "loss.png", dpi=110)
+        set_rng_state(state["rng"][self.dist.rank])
+        self.step = state["step"]
+        self.log.truncate(self.step)
 
     def finish(self) -> dict:
-        """Write summary.json (final validation metrics) and return it."""
+        """Write summary.json (final validation metrics, speed) and sample.txt; return the summary."""
         last_eval = next((r for r in reversed(self.history) if "val_loss" in r), None)
         if last_eval is None:  # resumed a finished run: nothing was evaluated in this process
-            last_eval = {f"val_{k}": v for k, v in self.evaluate().items()}
+            last_eval = {f"val_{k}": v for k, v in self.evaluate(self.config.final_eval_tokens).items()}
+        sample = next((r["sample"] for r in reversed(self.history) if "sample" in r), None)
+        steps_here = len(self.history)
         summary = {
             "steps": self.step,
             "tokens_seen": self.step * self.tokens_per_step,
             "parameters": self.raw_model.num_params(),
-            "val_loss": last_eval.get("val_loss"),
-            "val_perplexity": last_eval.get("val_perplexity"),
-            "val_bits_per_byte": last_eval.get("val_bits_per_byte"),
-            "sample": next((r["sample"] for r in reversed(self.history) if "sample" in r), None),
+            "val_loss": last_eval["val_loss"],
+            "val_perplexity": last_eval["val_perplexity"],
+            "val_bits_per_byte": last_eval["val_bits_per_byte"],
+            "train_seconds": self.train_seconds,  # this process's training time (since a resume, if any)
+            "tokens_per_s": steps_here * self.tokens_per_step / self.train_seconds if self.train_seconds else None,
+            "sample": sample,
         }
         if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+            if sample is not None:
+                (self.out_dir / "sample.txt").write_text(sample + "\n", encoding="utf-8")
         return summary

@@ -5,11 +5,13 @@ A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards l
 the tensor, on anything missing, unexpected or mis-shaped; ``save_hf`` writes the reverse.
 """
 
+import contextlib
 import json
 import os
+import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,11 +42,22 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # --------------------------------------------------------------------------- configs
 def config_from_hf(hf: dict) -> GPTConfig:
     """Our GPTConfig for a Hugging Face ``config.json`` of the GPT-2 or Llama family."""
+    try:
+        return _config_from_hf(hf)
+    except KeyError as err:
+        raise ValueError(f"the Hugging Face config has no {err.args[0]!r} entry, which a "
+                         f"{hf.get('model_type')} config needs") from None
+
+
+def _config_from_hf(hf: dict) -> GPTConfig:
     family = hf.get("model_type")
     if family == "gpt2":
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
             if hf.get(flag):
                 raise ValueError(f"GPT-2 option {flag}=true is not supported")
+        if not hf.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 option scale_attn_weights=false is not supported: our attention "
+                             "always divides the scores by sqrt(head_dim)")
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported; "
                              "expected the tanh GELU ('gelu_new')")
@@ -199,10 +212,13 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
-    config = config_from_hf(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+    config = config_from_hf(_read_json(folder / "config.json"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
     elif (folder / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
@@ -222,13 +238,41 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
 
 
 def save_hf(model: GPT, path: str | os.PathLike) -> None:
-    """Write ``config.json`` and ``model.safetensors`` that transformers' from_pretrained reads."""
+    """Write ``config.json`` and ``model.safetensors`` that transformers' from_pretrained reads.
+
+    Each file is written whole or not at all (a temporary file renamed into place).
+    """
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     hf_config = config_to_hf(model.config)
+    hf_config["torch_dtype"] = str(model.token_embedding.weight.dtype).removeprefix("torch.")
     tensors = ours_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    with _replacing(folder / "model.safetensors") as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    with _replacing(folder / "config.json") as tmp:
+        tmp.write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path} should hold a JSON object, got {type(content).__name__}")
+    return content
+
+
+@contextlib.contextmanager
+def _replacing(target: Path) -> Iterator[Path]:
+    """A temporary path beside target to write; renamed over target only if the write succeeds."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, target)  # atomic on POSIX: readers see the old file or the new one
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 GPT2_HUB_NAMES = {"gpt2-small": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",

@@ -114,6 +114,34 @@ def test_greedy_matches_transformers(tmp_path, build):
     assert torch.equal(generate(ours, idx, 40, use_cache=False), expected)
 
 
+def first_steps(rows: torch.Tensor, token: int) -> list[float]:
+    """For each row of new tokens (B, n), the step at which token first appears (inf if never)."""
+    return [row.tolist().index(token) if token in row.tolist() else math.inf for row in rows]
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama-gqa"])
+def test_rows_stopping_at_eos_match_transformers(tmp_path, build):
+    """A batch whose rows reach EOS at different steps: the same tokens and padding as transformers."""
+    reference = build()
+    reference.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    idx = prompts(4, 6, ours.config.vocab_size, seed=3)
+    free_running = generate(ours, idx, 30)[:, 6:]  # (4, 30)
+    # An EOS that some rows produce at different steps and some rows maybe never.
+    eos = next(token for token in free_running[1, 2:].tolist() if len(set(first_steps(free_running, token))) >= 3)
+    pad = 1 if eos == 0 else 0
+    with torch.no_grad():
+        expected = reference.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=30,
+                                      do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    got = generate(ours, idx, 30, eos_id=eos, pad_id=pad)
+    assert torch.equal(got, expected)
+    finish = first_steps(got[:, 6:], eos)
+    assert len(set(finish)) >= 3  # rows really stopped at different steps (or never)
+    for row, step in zip(got[:, 6:].tolist(), finish):
+        if step < math.inf:
+            assert set(row[step + 1:]) <= {pad}
+
+
 # --------------------------------------------------------------------------- samplers
 def test_top_k_filter_keeps_the_k_largest():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
@@ -235,6 +263,16 @@ def test_stream_yields_the_tokens_of_generate():
     assert torch.equal(torch.stack(steps, dim=1), expected[:, 4:])
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_bfloat16_model_generates_the_same_tokens(use_cache):
+    """Weights, activations and KV cache in bf16: the spelling model's margins survive the rounding."""
+    model = spelling_model(CHAIN)
+    idx = torch.tensor([[0, 1], [0, 3], [0, 6]])
+    expected = generate(model, idx, 6, eos_id=5, pad_id=0, use_cache=use_cache)
+    got = generate(model.to(torch.bfloat16), idx, 6, eos_id=5, pad_id=0, use_cache=use_cache)
+    assert torch.equal(got, expected)
+
+
 def test_eval_mode_for_the_call_then_the_previous_mode():
     model = tiny("gpt2", dropout=0.5).train()
     idx = prompts(2, 4, model.config.vocab_size)
@@ -264,13 +302,14 @@ def test_without_cache_the_window_slides_over_the_last_context_length_tokens(kin
 
 
 @pytest.mark.parametrize("kind", sorted(TINY))
-def test_with_cache_too_long_a_request_names_the_lengths(kind):
+@pytest.mark.parametrize("prompt_len, new_tokens", [(20, 13), (20, 14), (20, 30), (32, 5), (40, 6)])
+def test_with_cache_past_the_context_the_window_slides_as_without(kind, prompt_len, new_tokens):
+    """context_length 32: the cache is used while the sequence fits, then the window slides."""
     model = tiny(kind)
-    with pytest.raises(ValueError, match=r"20-token prompt plus max_new_tokens=14 feeds the model 33 "
-                                         r"tokens.*context_length=32.*use_cache=False"):
-        generate(model, prompts(1, 20, model.config.vocab_size), 14)
-    with pytest.raises(ValueError, match=r"40-token prompt plus max_new_tokens=1 .* 40 tokens"):
-        generate(model, prompts(1, 40, model.config.vocab_size), 1)
+    idx = prompts(2, prompt_len, model.config.vocab_size, seed=prompt_len)
+    cached = generate(model, idx, new_tokens)
+    assert cached.shape == (2, prompt_len + new_tokens)
+    assert torch.equal(cached, generate(model, idx, new_tokens, use_cache=False))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -85,6 +85,40 @@ def test_kv_cache_decoding_equals_the_full_forward(kind, fused):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 3, 6])  # multi-query, grouped (ratios 3 and 2), multi-head
+def test_every_grouping_of_heads_decodes_like_the_full_forward(n_kv_heads):
+    model = make("llama", n_kv_heads=n_kv_heads)
+    explicit = make("llama", n_kv_heads=n_kv_heads, fused_attention=False)
+    explicit.load_state_dict(model.state_dict())
+    idx = torch.randint(model.config.vocab_size, (3, 16))
+    caches = model.make_kv_caches(batch_size=3, max_seq_len=16)
+    assert caches[0].keys.shape == (3, n_kv_heads, 16, 8)
+    with torch.no_grad():
+        full = model(idx)
+        steps = [model(idx[:, :5], caches, start_pos=0)]
+        steps += [model(idx[:, t : t + 1], caches, start_pos=t) for t in range(5, 16)]
+        assert (explicit(idx) - full).abs().max().item() <= 1e-5
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_bfloat16_model_decodes_like_its_full_forward(kind):
+    """Weights and KV cache in bf16; the two paths round differently, so compare at bf16's precision."""
+    model = make(kind).to(torch.bfloat16)
+    idx = torch.randint(model.config.vocab_size, (2, 20))
+    caches = model.make_kv_caches(batch_size=2, max_seq_len=20)
+    assert caches[0].keys.dtype == torch.bfloat16
+    with torch.no_grad():
+        full = model(idx).float()
+        reference = make(kind)(idx)  # the fp32 model
+        steps = [model(idx[:, :7], caches, start_pos=0)]
+        steps += [model(idx[:, t : t + 1], caches, start_pos=t) for t in range(7, 20)]
+    decoded = torch.cat(steps, dim=1).float()
+    scale = reference.abs().max().item()
+    assert (full - reference).abs().max().item() <= 0.02 * scale
+    assert (decoded - reference).abs().max().item() <= 0.02 * scale
+
+
 def test_context_longer_than_the_model_is_refused():
     model = make("gpt2")
     with pytest.raises(ValueError, match=r"positions 0\.\.24 exceed the model's context_length=24"):
@@ -123,6 +157,13 @@ def test_residual_projections_get_the_scaled_init():
     (dict(vocab_size=0), r"vocab_size must be a positive integer, got 0"),
     (dict(dropout=1.5), r"dropout must be in \[0, 1\), got 1.5"),
     (dict(d_ff=0), r"d_ff must be a positive integer, got 0"),
+    (dict(n_kv_heads=8), r"n_heads=4 is not divisible by n_kv_heads=8"),  # more kv heads than heads
+    (dict(n_kv_heads=0), r"n_kv_heads=0"),
+    (dict(mlp="relu"), r"mlp='relu' is not one of \('gelu', 'swiglu'\)"),
+    (dict(position="alibi"), r"position='alibi' is not one of \('learned', 'rope'\)"),
+    (dict(context_length=0), r"context_length must be a positive integer, got 0"),
+    (dict(rope_theta=0.0), r"rope_theta and norm_eps must be positive, got 0.0"),
+    (dict(norm_eps=-1e-5), r"rope_theta and norm_eps must be positive, got 10000.0, -1e-05"),
 ])
 def test_bad_config_is_a_clear_error(fields, message):
     with pytest.raises(ValueError, match=message):

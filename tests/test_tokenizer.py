@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from llmscratch.assets import GPT2_RANKS_PATH, MOBY_DICK_PATH, read_moby_dick
+from llmscratch.assets import GPT2_RANKS_PATH, MOBY_DICK_PATH, SMS_SPAM_PATH, read_moby_dick
 from llmscratch.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer, gpt2_encoding
 
 ADVERSARIAL = [
@@ -69,6 +69,7 @@ def trained():
 @pytest.mark.parametrize("path, sha256", [
     (GPT2_RANKS_PATH, "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"),
     (MOBY_DICK_PATH, "fe282a57094ed62e7144fb7c804a9748fc1c909bf3b49d06e7276015f9f67240"),
+    (SMS_SPAM_PATH, "883079d805cda90c823827a5237496f114d1eb823d95fe909dbea2038707180d"),
 ])
 def test_bundled_files_match_their_published_checksums(path, sha256):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256

@@ -25,21 +25,22 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(1.0 + 0.1 * noise if is_gain else 0.05 * noise)
 
 
-def hf_gpt2(tie: bool = True):
-    config = transformers.GPT2Config(vocab_size=311, n_positions=64, n_embd=48, n_layer=3, n_head=4,
-                                     tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0,
-                                     attn_implementation="eager")
+def hf_gpt2(tie: bool = True, **shape):
+    shape = {"n_embd": 48, "n_head": 4, **shape}
+    config = transformers.GPT2Config(vocab_size=311, n_positions=64, n_layer=3, tie_word_embeddings=tie,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager", **shape)
     model = transformers.GPT2LMHeadModel(config).eval()
     randomize(model, seed=1)
     return model
 
 
-def hf_llama(tie: bool = False, bias: bool = False):
+def hf_llama(tie: bool = False, bias: bool = False, **shape):
+    shape = {"hidden_size": 64, "intermediate_size": 112, "num_attention_heads": 8, "num_key_value_heads": 2,
+             **shape}
     config = transformers.LlamaConfig(
-        vocab_size=293, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=96,
-        rope_theta=123_456.0, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-        attention_bias=bias, mlp_bias=bias, attn_implementation="eager",
+        vocab_size=293, num_hidden_layers=3, max_position_embeddings=96, rope_theta=123_456.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie, attention_bias=bias, mlp_bias=bias,
+        attn_implementation="eager", **shape,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     randomize(model, seed=2)
@@ -51,6 +52,12 @@ HF_MODELS = {
     "gpt2-untied": lambda: hf_gpt2(tie=False),
     "llama-gqa-untied": hf_llama,
     "llama-tied-bias": lambda: hf_llama(tie=True, bias=True),
+    # Other shapes: 3 heads of 12 with an MLP of 100 (n_inner); multi-query with heads of 20;
+    # as many key/value heads as query heads.
+    "gpt2-3-heads-n_inner": lambda: hf_gpt2(tie=False, n_embd=36, n_head=3, n_inner=100),
+    "llama-mqa": lambda: hf_llama(hidden_size=60, num_attention_heads=3, num_key_value_heads=1,
+                                  intermediate_size=100),
+    "llama-mha": lambda: hf_llama(num_key_value_heads=8),
 }
 
 
@@ -146,6 +153,68 @@ def test_unsupported_config_is_a_clear_error(tmp_path, change, message):
 def test_not_a_checkpoint_folder(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         load_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_hf(tmp_path)
+    hf_gpt2().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"n_embd": None}, r"no 'n_embd' entry, which a gpt2 config needs"),
+    ({"scale_attn_weights": False}, r"scale_attn_weights=false is not supported"),
+    ({"activation_function": "relu"}, r"activation 'relu' is not supported"),
+])
+def test_unsupported_gpt2_config_is_a_clear_error(change, message):
+    config = {key: value for key, value in {**hf_gpt2().config.to_dict(), **change}.items() if value is not None}
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(config)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    reference = hf_llama()
+    reference.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # really several shards and an index
+    ours = load_hf(tmp_path).eval()
+    idx = torch.randint(293, (2, 30))
+    with torch.no_grad():
+        assert (ours(idx) - reference(idx).logits).abs().max().item() <= 1e-4
+
+
+def test_bfloat16_checkpoints_in_and_out(tmp_path):
+    """A bf16 file loads exactly (as fp32 by default, or kept in bf16), and save_hf keeps the dtype."""
+    reference = hf_llama().to(torch.bfloat16)
+    reference.save_pretrained(tmp_path / "hf")
+    as_fp32, as_bf16 = load_hf(tmp_path / "hf"), load_hf(tmp_path / "hf", dtype=torch.bfloat16)
+    expected = reference.model.layers[1].self_attn.k_proj.weight
+    k_rows = slice(64, 64 + 16)  # the qkv rows after the 8 query heads of 8: keys of 2 heads
+    assert as_fp32.blocks[1].attn.qkv.weight.dtype == torch.float32
+    assert torch.equal(as_fp32.blocks[1].attn.qkv.weight[k_rows], expected.float())
+    assert torch.equal(as_bf16.blocks[1].attn.qkv.weight[k_rows], expected)
+    save_hf(as_bf16, tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert reloaded.dtype == torch.bfloat16
+    assert torch.equal(reloaded.model.layers[1].self_attn.k_proj.weight, expected)
+
+
+def test_save_hf_replaces_files_whole_or_not_at_all(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    first = GPT(GPTConfig.from_preset("llama-tiny", vocab_size=300, context_length=32))
+    save_hf(first, tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+
+    def failing_save_file(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("llmscratch.weights.save_file", failing_save_file)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf(GPT(GPTConfig.from_preset("llama-tiny", vocab_size=300, context_length=32)), tmp_path)
+    assert (tmp_path / "model.safetensors").read_bytes() == before  # the previous checkpoint, intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no leftovers
 
 
 def test_config_from_hf_reads_gqa_theta_and_tying():

@@ -1,0 +1,226 @@
+"""Training benchmark: tokens/s, MFU and peak memory of one forward + backward + AdamW step, ours vs transformers.
+
+    python -m benchmarks.bench_train                      # from the repository root; prints a Markdown section
+    python -m benchmarks.bench_train --configs 6x384 --modes fp32 --runs 3     # a quick look
+
+For each configuration and mode, llmscratch's GPT and transformers' GPT2LMHeadModel (SDPA attention,
+random weights, built offline) of the same shape train on the same random batch with the same
+AdamW (``llmscratch.train.configure_optimizer``). Each takes its normal path to the loss: ours
+``GPT(idx, targets=...)``, theirs ``GPT2LMHeadModel(input_ids, labels=...)``. They run in
+interleaved rounds in one process, so a busy spell of a shared machine hits both; medians are
+reported. Tokens/s counts real tokens (batch x context); MFU divides the model's FLOPs (6 per
+weight per token plus attention, of the unpadded model) by a matmul ceiling measured in the same
+run. Peak memory is what PyTorch's allocator held during one step above what it held before.
+"""
+
+import argparse
+import gc
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
+
+import transformers  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks.common import (load_average, machine_description, median, peak_memory_bytes,  # noqa: E402
+                               time_once, today)
+from llmscratch.flops import measure_matmul_flops  # noqa: E402
+from llmscratch.model import GPT, GPTConfig  # noqa: E402
+from llmscratch.train import TrainConfig, autocast, configure_optimizer  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT-2-style model and the batch it trains on."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    context_length: int
+    vocab_size: int
+    batch_size: int  # default; --batch-size overrides
+
+
+SHAPES = {
+    # nanoGPT's small Shakespeare model with GPT-2's vocabulary rounded up to a multiple of 64.
+    "6x384": Shape(d_model=384, n_layers=6, n_heads=6, context_length=256, vocab_size=50304, batch_size=8),
+    # GPT-2 small (124M). Batch 1 by default: a step of batch 8 takes minutes on two CPU cores.
+    "gpt2-small": Shape(d_model=768, n_layers=12, n_heads=12, context_length=1024, vocab_size=50257, batch_size=1),
+}
+MODES = {  # name: (autocast dtype, torch.compile)
+    "fp32": (torch.float32, False),
+    "bf16": (torch.bfloat16, False),
+    "compiled": (torch.float32, True),
+    "bf16-compiled": (torch.bfloat16, True),
+}
+PEERS = ("llmscratch", "transformers")
+
+
+def build(peer: str, shape: Shape, vocab_size: int, seed: int) -> torch.nn.Module:
+    """A freshly initialised model of the given shape, without dropout, in training mode."""
+    torch.manual_seed(seed)
+    if peer == "llmscratch":
+        config = GPTConfig(vocab_size=vocab_size, context_length=shape.context_length, d_model=shape.d_model,
+                           n_layers=shape.n_layers, n_heads=shape.n_heads)
+        return GPT(config).train()
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size, n_positions=shape.context_length, n_embd=shape.d_model, n_layer=shape.n_layers,
+        n_head=shape.n_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def flops_per_token(shape: Shape) -> int:
+    """Training FLOPs per token of the unpadded model (vocabulary as given), by llmscratch's count."""
+    with torch.device("meta"):  # shapes only
+        model = GPT(GPTConfig(vocab_size=shape.vocab_size, context_length=shape.context_length,
+                              d_model=shape.d_model, n_layers=shape.n_layers, n_heads=shape.n_heads))
+    return model.flops_per_token(shape.context_length)
+
+
+def make_step(peer: str, model: torch.nn.Module, dtype: torch.dtype, compiled: bool, inputs, targets,
+              loss_path: str = "targets"):
+    """One training step: forward under autocast, the loss, backward, AdamW, gradients dropped."""
+    optimizer = configure_optimizer(model, TrainConfig(), CPU)
+    forward = torch.compile(model) if compiled else model
+
+    def step() -> float:
+        with autocast(CPU, dtype):
+            if peer == "llmscratch" and loss_path == "logits":  # the explicit way, for comparison
+                loss = F.cross_entropy(forward(inputs).float().flatten(0, 1), targets.flatten())
+            elif peer == "llmscratch":
+                loss = forward(inputs, targets=targets)
+            else:  # labels are shifted inside: each position predicts the next input token
+                loss = forward(input_ids=inputs, labels=inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def measure(shape: Shape, mode: str, args) -> dict:
+    """Interleaved timings (and peak memory) of both peers for one configuration and mode."""
+    dtype, compiled = MODES[mode]
+    generator = torch.Generator().manual_seed(args.seed)
+    batch = args.batch_size or shape.batch_size
+    inputs = torch.randint(shape.vocab_size, (batch, shape.context_length), generator=generator)
+    targets = torch.roll(inputs, -1, dims=1)  # any targets will do; the work does not depend on them
+    steps, first = {}, {}
+    for peer in PEERS:
+        vocab = shape.vocab_size if peer == "transformers" else args.pad_vocab * math.ceil(shape.vocab_size / args.pad_vocab)
+        model = build(peer, shape, vocab, args.seed)
+        steps[peer] = make_step(peer, model, dtype, compiled, inputs, targets, args.loss)
+        first[peer] = time_once(steps[peer])  # warm-up; compiles in a compiled mode
+        for _ in range(args.warmup - 1):
+            steps[peer]()
+    seconds = {peer: [] for peer in PEERS}
+    losses = {}
+    for _ in tqdm(range(args.runs), desc=f"{args.config_name} {mode}", leave=False):
+        for peer in PEERS:
+            seconds[peer].append(time_once(lambda: losses.__setitem__(peer, steps[peer]())))
+    for peer, loss in losses.items():
+        if not math.isfinite(loss):
+            raise SystemExit(f"error: {peer} gave a non-finite loss {loss} in {mode}")
+    tokens = batch * shape.context_length
+    result = {"tokens_per_s": {p: tokens / median(seconds[p]) for p in PEERS},
+              "first_s": first, "runs": args.runs, "batch": batch}
+    if not args.no_memory:
+        result["peak_mib"] = {p: peak_memory_bytes(steps[p]) / 2**20 for p in PEERS}
+    del steps
+    gc.collect()
+    return result
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--configs", nargs="+", choices=sorted(SHAPES), default=["6x384", "gpt2-small"],
+        help="model configurations (default: both)")
+    add("--modes", nargs="+", choices=list(MODES), default=["fp32", "bf16", "compiled"],
+        help="fp32 eager, bf16 autocast, fp32 torch.compile, bf16 torch.compile (default: the first three)")
+    add("--runs", type=int, default=3, help="interleaved timed steps per peer; medians are reported (default 3)")
+    add("--warmup", type=int, default=1, help="untimed steps first, compilation included (default 1)")
+    add("--batch-size", type=int, default=None,
+        help="sequences per step (default: 8 for 6x384, 1 for gpt2-small)")
+    add("--pad-vocab", type=int, default=1,
+        help="round llmscratch's vocabulary up to a multiple of this (default 1: none); tokens/s and "
+             "MFU still count the real vocabulary, which transformers keeps")
+    add("--loss", choices=["targets", "logits"], default="targets",
+        help="llmscratch's loss: targets = GPT(idx, targets=...), chunked (the normal path); logits = "
+             "F.cross_entropy on the full logits (the explicit way) (default targets)")
+    add("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add("--no-memory", action="store_true", help="skip the peak-memory step (a profiled extra step per peer)")
+    add("--seed", type=int, default=0, help="seed of the weights and the batch")
+    args = parser.parse_args()
+    for name in ("runs", "warmup", "pad_vocab", "batch_size", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    transformers.utils.logging.set_verbosity_error()
+    load_before = load_average()
+    ceilings = {dtype: measure_matmul_flops(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    results = {}
+    for name in args.configs:
+        args.config_name = name
+        for mode in args.modes:
+            results[name, mode] = measure(SHAPES[name], mode, args)
+    print_section(results, ceilings, args, load_before, load_average())
+
+
+def print_section(results: dict, ceilings: dict, args, load_before: str, load_after: str) -> None:
+    bf16_ceiling = ceilings[torch.bfloat16]
+    print(f"### Training throughput ({today()})\n")
+    print(f"Command: `{' '.join(['python -m benchmarks.bench_train', *sys.argv[1:]])}`  ")
+    print(f"Machine: {machine_description()}  ")
+    print(f"Load average (1, 5, 15 min) before: {load_before}; after: {load_after}  ")
+    print(f"Matmul ceilings measured in this run (1536² products, best of 8): "
+          f"fp32 {ceilings[torch.float32] / 1e9:,.0f} GFLOP/s, bf16 {bf16_ceiling / 1e9:,.0f} GFLOP/s  ")
+    print(f"transformers {transformers.__version__} `GPT2LMHeadModel` (SDPA) vs llmscratch `GPT`; "
+          f"AdamW from `configure_optimizer` for both; {args.runs} interleaved timed steps per peer "
+          f"after {args.warmup} warm-up step(s), medians.\n")
+    for name in args.configs:
+        shape = SHAPES[name]
+        fpt = flops_per_token(shape)
+        batch = results[name, args.modes[0]]["batch"]
+        vocab = args.pad_vocab * math.ceil(shape.vocab_size / args.pad_vocab)
+        padded = f" (llmscratch padded to {vocab:,})" if vocab != shape.vocab_size else ""
+        print(f"**{name}**: {shape.n_layers} layers, {shape.n_heads} heads, width {shape.d_model}, context "
+              f"{shape.context_length}, vocabulary {shape.vocab_size:,}{padded}, batch {batch}; "
+              f"{fpt / 1e6:,.0f} MFLOP per token for training.\n")
+        print("| mode | llmscratch tokens/s | transformers tokens/s | ratio | llmscratch MFU | transformers MFU "
+              "| llmscratch share of bf16 ceiling | peak MiB llmscratch | peak MiB transformers | first step s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for mode in args.modes:
+            r = results[name, mode]
+            ours, theirs = r["tokens_per_s"]["llmscratch"], r["tokens_per_s"]["transformers"]
+            ceiling = ceilings[MODES[mode][0]]
+            memory = r.get("peak_mib", {})
+            mem = [f"{memory[p]:,.0f}" if p in memory else "-" for p in PEERS]
+            first = " / ".join(f"{r['first_s'][p]:.1f}" for p in PEERS)
+            print(f"| {mode} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} | {100 * fpt * ours / ceiling:.0f}% "
+                  f"| {100 * fpt * theirs / ceiling:.0f}% | {100 * fpt * ours / bf16_ceiling:.0f}% | {mem[0]} | {mem[1]} "
+                  f"| {first} |")
+        print()
+    print("MFU: against the fp32 ceiling in fp32 modes, the bf16 ceiling in bf16 modes. "
+          "First step: llmscratch / transformers, compilation included.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Continue a prompt with a GPT: one of our training checkpoints or a Hugging Face folder.
+
+    python ch03-architecture/generate.py runs/pretrain/checkpoint.pt --prompt "Call me"
+    python ch03-architecture/generate.py path/to/gpt2 --prompt "Hello," --temperature 0 --max-new-tokens 40
+
+The text streams to the terminal as it is generated. Our checkpoints (the ``model.safetensors``
+export or the ``checkpoint.pt`` that ch04-pretraining/pretrain.py writes, or the run folder holding
+them) carry their tokenizer; a Hugging Face folder (``config.json`` + ``model.safetensors``) of the
+GPT-2 family uses GPT-2's vocabulary, which ships with llmscratch. Other vocabularies: pass
+``--tokenizer`` (a JSON file saved by chapter 1's script).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.generate import stream_text
+from llmscratch.model import GPT
+from llmscratch.tokenizer import BPETokenizer
+from llmscratch.weights import load_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("checkpoint", type=Path,
+        help="our model.safetensors export or checkpoint.pt (or the run folder holding them), or a "
+             "Hugging Face folder")
+    add("--prompt", default="",
+        help="the text to continue (default: empty, which starts from the <|endoftext|> token)")
+    add("--max-new-tokens", type=int, default=100, help="how many tokens to generate at most (default 100)")
+    add("--temperature", type=float, default=0.8,
+        help="divides the logits before sampling: < 1 safer, > 1 wilder; 0 is greedy decoding (default 0.8)")
+    add("--top-k", type=int, default=None, help="sample only among the k most likely tokens (default: all)")
+    add("--top-p", type=float, default=0.95,
+        help="sample only among the most likely tokens whose probabilities add up to p; 1 keeps all (default 0.95)")
+    add("--seed", type=int, default=0, help="random seed of the sampler: the same seed gives the same text (default 0)")
+    add("--eos-id", type=int, default=None,
+        help="stop when this token is generated (default: the tokenizer's <|endoftext|>, if it has one)")
+    add("--ignore-eos", action="store_true", help="never stop early: always generate --max-new-tokens tokens")
+    add("--tokenizer", type=Path, default=None,
+        help="a tokenizer JSON file to use instead of the checkpoint's own (or of GPT-2's for a Hugging Face folder)")
+    add("--dtype", choices=sorted(DTYPES), default="float32",
+        help="precision of the weights and the computation (default float32; bfloat16 halves the memory)")
+    add("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... (default: cuda if available, else cpu)")
+    args = parser.parse_args(argv)
+    if not args.checkpoint.exists():
+        parser.error(f"checkpoint {args.checkpoint}: no such file or folder")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        parser.error(f"--tokenizer {args.tokenizer}: no such file")
+    if args.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be at least 1, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.ignore_eos and args.eos_id is not None:
+        parser.error("--eos-id and --ignore-eos contradict each other: give one of them")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device name like 'cpu' or 'cuda'")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    return args
+
+
+def load_model_and_tokenizer(path: Path, tokenizer_path: Path | None) -> tuple[GPT, BPETokenizer]:
+    """The model and its tokenizer from a checkpoint of ours or a Hugging Face folder (ValueError if neither)."""
+    if path.is_dir() and (path / "config.json").is_file():
+        model = load_hf(path)
+        tokenizer = BPETokenizer.load(tokenizer_path) if tokenizer_path else hf_tokenizer(path, model)
+        return model, tokenizer
+    if path.is_dir():  # a training run's folder: the export (weights only) loads faster than the checkpoint
+        found = [path / name for name in ("model.safetensors", "checkpoint.pt") if (path / name).is_file()]
+        if not found:
+            raise ValueError(f"{path} holds no model.safetensors or checkpoint.pt (a training run) and no "
+                             f"config.json (a Hugging Face checkpoint)")
+        path = found[0]
+    model = model_from_checkpoint(path)
+    return model, BPETokenizer.load(tokenizer_path) if tokenizer_path else tokenizer_from_checkpoint(path)
+
+
+def hf_tokenizer(folder: Path, model: GPT) -> BPETokenizer:
+    """GPT-2's tokenizer for a GPT-2-family folder; other families need --tokenizer."""
+    if model.config.position != "learned":
+        raise ValueError(f"{folder} is a Llama-family checkpoint; llmscratch ships no tokenizer for it: "
+                         f"pass --tokenizer")
+    return BPETokenizer.gpt2()
+
+
+def check_vocabulary(model: GPT, tokenizer: BPETokenizer) -> None:
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
+                         f"{model.config.vocab_size:,}: they were not made for each other")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        model, tokenizer = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
+        check_vocabulary(model, tokenizer)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+    eos_id = None if args.ignore_eos else (tokenizer.eot_token if args.eos_id is None else args.eos_id)
+    prompt = args.prompt
+    if not prompt:
+        if tokenizer.eot_token is None:
+            sys.exit("error: an empty --prompt starts from <|endoftext|>, which this tokenizer lacks; give a prompt")
+        prompt = tokenizer.decode([tokenizer.eot_token])
+    else:
+        print(prompt, end="", flush=True)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    try:
+        for piece in stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, eos_id=eos_id, generator=generator):
+            print(piece, end="", flush=True)
+    except ValueError as err:  # e.g. an --eos-id outside the vocabulary
+        print(file=sys.stderr)
+        sys.exit(f"error: {err}")
+    except KeyboardInterrupt:
+        pass  # Ctrl-C stops the stream; what was printed stays
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Pretrain a small Llama-style model on Moby-Dick (or your text): on a CPU, or on many GPUs under torchrun.
+
+    python ch04-pretraining/pretrain.py                        # the default run: about 10 minutes on 2 CPU cores
+    python ch04-pretraining/pretrain.py --max-steps 20         # a quick check of the whole pipeline
+    python ch04-pretraining/pretrain.py --resume               # continue runs/pretrain from its last checkpoint
+    torchrun --nproc_per_node=8 ch04-pretraining/pretrain.py --data tokens/ --tokenizer gpt2 --preset llama-small
+
+The run folder (--out-dir) receives checkpoint.pt (to resume), model.safetensors (weights,
+config and tokenizer, for finetuning), tokenizer.json, metrics.jsonl, loss.png, summary.json
+and sample.txt.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmscratch import distributed
+from llmscratch.assets import MOBY_DICK_PATH
+from llmscratch.checkpoint import export_model
+from llmscratch.data import load_token_meta, load_token_split
+from llmscratch.model import GPT, PRESETS, GPTConfig
+from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
+from llmscratch.train import CHECKPOINT_FILE, DTYPES, TrainConfig, Trainer, TrainingDiverged, choose_dtype
+
+RUN_FILE = "run.json"  # the flags of the run, so that --resume needs no others
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--data", type=Path, nargs="+", default=[MOBY_DICK_PATH], metavar="PATH",
+                   help="UTF-8 text file(s), or one folder of token files made by llmscratch.data."
+                        "prepare_token_files (train.bin, val.bin, meta.json; for corpora too big for "
+                        "memory). Default: the bundled Moby-Dick")
+    d.add_argument("--val-fraction", type=float, default=0.1,
+                   help="text files only: the last fraction of the characters held out for validation "
+                        "(default: %(default)s)")
+    d.add_argument("--tokenizer", default="bpe:4096",
+                   help="bpe:N trains a byte-level BPE of N tokens on the training split (text files only); "
+                        "gpt2 is GPT-2's 50,257-token vocabulary; or the path of a tokenizer JSON saved "
+                        "by BPETokenizer.save (default: %(default)s)")
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", default="llama-mini", choices=sorted(PRESETS),
+                   help="model shape from llmscratch.model.PRESETS; the vocabulary size comes from the "
+                        "tokenizer (default: %(default)s, 5.8M parameters with 4,096 tokens)")
+    m.add_argument("--context-length", type=int, default=None,
+                   help="tokens per training window (default: the preset's)")
+    m.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
+    t = p.add_argument_group("training")
+    t.add_argument("--max-steps", type=int, default=600, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=16,
+                   help="sequences per micro-step on each process (default: %(default)s)")
+    t.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-steps per optimizer step: the global batch is batch-size x grad-accum x "
+                        "processes sequences (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr / 10)")
+    t.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps (default: %(default)s)")
+    t.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay on weight matrices (default: %(default)s)")
+    t.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this; 0 turns it off (default: %(default)s)")
+    t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
+                        "on older GPUs, float32 on CPU (default: %(default)s)")
+    t.add_argument("--compile", action="store_true", help="run the model through torch.compile")
+    t.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK "
+                        "(default: %(default)s)")
+    t.add_argument("--seed", type=int, default=1337, help="seed of the weights, data order and samples")
+    t.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                   help="stop after this much training time (final evaluation and checkpoint included "
+                        "in the run, not in the budget); the step count stays the schedule's length")
+    r = p.add_argument_group("run folder, logging and checkpoints")
+    r.add_argument("--out-dir", type=Path, default=Path("runs/pretrain"), help="run folder (default: %(default)s)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --out-dir from its checkpoint, with its flags (flags given "
+                        "now override them, e.g. a larger --max-steps)")
+    r.add_argument("--overwrite", action="store_true", help="start afresh in an --out-dir that holds a run")
+    r.add_argument("--eval-interval", type=int, default=100, help="steps between evaluations (default: %(default)s)")
+    r.add_argument("--eval-tokens", type=int, default=16384,
+                   help="validation tokens per periodic evaluation (default: %(default)s)")
+    r.add_argument("--final-eval-tokens", type=int, default=None,
+                   help="validation tokens of the final evaluation (default: all of them)")
+    r.add_argument("--checkpoint-interval", type=int, default=100,
+                   help="steps between checkpoints; one is always written at the end (default: %(default)s)")
+    r.add_argument("--sample-interval", type=int, default=200, help="steps between samples (default: %(default)s)")
+    r.add_argument("--sample-prompt", default="Call me", help="prompt of the samples (default: %(default)r)")
+    r.add_argument("--log-interval", type=int, default=10,
+                   help="steps between tokens/s and MFU measurements (default: %(default)s)")
+    r.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device for MFU (default: a table of GPUs, or this CPU measured once)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. for log files)")
+    return p
+
+
+def parse_args(argv: list[str] | None, dist: distributed.DistInfo | None = None) -> argparse.Namespace:
+    """Parse and check the flags; with --resume the run's saved flags are the defaults."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.resume:
+        run_file = args.out_dir / RUN_FILE
+        saved = None
+        if dist is None or dist.is_main:  # multi-node: only rank 0 needs the run folder
+            if not (args.out_dir / CHECKPOINT_FILE).is_file() or not run_file.is_file():
+                saved = {"error": f"--resume: {args.out_dir} holds no run to resume (no {CHECKPOINT_FILE} "
+                                  f"and {RUN_FILE})"}
+            else:
+                saved = json.loads(run_file.read_text(encoding="utf-8"))
+        saved = distributed.broadcast_object(saved)
+        if "error" in saved:
+            parser.error(saved["error"])
+        defaults = {k: v for k, v in saved.items() if k not in ("resume", "overwrite", "out_dir")}
+        defaults["data"] = [Path(path) for path in saved["data"]]
+        parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error (a message and exit status 2) for any flag that cannot work."""
+    for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_tokens",
+                 "checkpoint_interval", "sample_interval", "log_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.final_eval_tokens is not None and args.final_eval_tokens < 1:
+        parser.error(f"--final-eval-tokens must be a positive integer, got {args.final_eval_tokens}")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "dropout", "warmup_steps", "time_budget",
+                 "peak_tflops"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+    if args.context_length is not None and args.context_length < 2:
+        parser.error(f"--context-length must be at least 2, got {args.context_length}")
+    if args.time_budget == 0 or args.peak_tflops == 0:
+        parser.error("--time-budget and --peak-tflops must be positive")
+    folders = [path for path in args.data if path.is_dir()]
+    for path in args.data:
+        if not path.exists():
+            parser.error(f"--data {path}: no such file or folder")
+    if folders and len(args.data) > 1:
+        parser.error(f"--data takes text files, or one token folder alone; got {len(args.data)} paths")
+    if folders and args.tokenizer.startswith("bpe:"):
+        args.tokenizer = "auto"  # a token folder fixes its tokenizer; resolved from its meta.json
+    if args.tokenizer.startswith("bpe:"):
+        size = args.tokenizer[4:]
+        if not size.isdigit() or int(size) < 257:
+            parser.error(f"--tokenizer {args.tokenizer}: expected bpe:N with N >= 257 (256 bytes + <|endoftext|>)")
+    elif args.tokenizer not in ("gpt2", "auto") and not Path(args.tokenizer).is_file():
+        parser.error(f"--tokenizer {args.tokenizer}: not bpe:N, gpt2, or an existing tokenizer JSON file")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"--out-dir {args.out_dir} is a file, not a folder")
+    if (args.out_dir / CHECKPOINT_FILE).exists() and not (args.resume or args.overwrite):
+        parser.error(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it, "
+                     f"--overwrite to start again, or choose another --out-dir")
+    try:
+        distributed.resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
+
+
+# --------------------------------------------------------------------------- data
+def build_tokenizer(spec: str, train_text: str | None) -> BPETokenizer:
+    if spec == "gpt2":
+        return BPETokenizer.gpt2()
+    if spec.startswith("bpe:"):
+        return BPETokenizer.train(train_text, int(spec[4:]), special_tokens=[ENDOFTEXT], name=spec.replace(":", "-"))
+    return BPETokenizer.load(spec)
+
+
+def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
+    """The tokenizer, the train and validation token arrays, and a line describing them."""
+    if args.data[0].is_dir():
+        folder = args.data[0]
+        meta = load_token_meta(folder)
+        spec = args.tokenizer
+        if spec == "auto":
+            if meta["tokenizer"] != "gpt2":
+                raise ValueError(f"{folder} was tokenized with {meta['tokenizer']!r}: pass its JSON file with --tokenizer")
+            spec = "gpt2"
+        tokenizer = build_tokenizer(spec, None)
+        if tokenizer.vocab_size != meta["vocab_size"]:
+            raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, but {folder} was made with "
+                             f"{meta['vocab_size']}")
+        train, val = load_token_split(folder, "train"), load_token_split(folder, "val")
+        return tokenizer, train, val, f"{folder}: {len(train):,} train and {len(val):,} validation tokens"
+    texts = []
+    for path in args.data:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--data {path} is not UTF-8 text ({err})") from None
+    text = ENDOFTEXT.join(texts)  # documents separated by the end-of-text token
+    split = int(len(text) * (1 - args.val_fraction))  # by characters, as nanoGPT's char-level recipe splits
+    train_text, val_text = text[:split], text[split:]
+    # One tokenizer for all: rank 0 trains (or reads) it, every process gets the same JSON.
+    tokenizer_json = build_tokenizer(args.tokenizer, train_text).to_json() if dist.is_main else None
+    tokenizer = BPETokenizer.from_json(distributed.broadcast_object(tokenizer_json))
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    train = np.array(tokenizer.encode(train_text, allowed_special="all"), dtype=dtype)
+    val = np.array(tokenizer.encode(val_text, allowed_special="all"), dtype=dtype)
+    n_bytes = len(text.encode("utf-8"))
+    return tokenizer, train, val, (f"{len(args.data)} text file(s), {n_bytes:,} bytes: {len(train):,} train and "
+                                   f"{len(val):,} validation tokens ({n_bytes / (len(train) + len(val)):.2f} bytes/token)")
+
+
+def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[GPTConfig, TrainConfig]:
+    vocab_size = -(-tokenizer.vocab_size // 64) * 64  # a multiple of 64: faster matrix multiplies on GPUs
+    overrides = {"vocab_size": vocab_size, "dropout": args.dropout}
+    if args.context_length is not None:
+        overrides["context_length"] = args.context_length
+    model_config = GPTConfig.from_preset(args.preset, **overrides)
+    train_config = TrainConfig(
+        max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        min_lr=args.lr / 10 if args.min_lr is None else args.min_lr, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, eval_interval=args.eval_interval,
+        eval_tokens=args.eval_tokens, final_eval_tokens=args.final_eval_tokens, checkpoint_interval=args.checkpoint_interval,
+        sample_interval=args.sample_interval, sample_prompt=args.sample_prompt, log_interval=args.log_interval,
+        dtype=choose_dtype(device) if args.dtype == "auto" else args.dtype, compile=args.compile,
+        seed=args.seed, peak_tflops=args.peak_tflops,
+        max_time=None if args.time_budget is None else args.time_budget * 60)
+    return model_config, train_config
+
+
+def check_lengths(train: np.ndarray, val: np.ndarray, context_length: int) -> None:
+    for name, tokens in (("training", train), ("validation", val)):
+        if len(tokens) < context_length + 1:
+            raise ValueError(f"the {name} split has {len(tokens):,} tokens, fewer than one window of "
+                             f"context length + 1 = {context_length + 1}; use more text, a larger "
+                             f"--val-fraction or a smaller --context-length")
+
+
+def save_run_files(args, tokenizer: BPETokenizer) -> None:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(args.out_dir / TOKENIZER_FILE)
+    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    flags["data"] = [str(p) for p in args.data]
+    flags["tokenizer"] = str(args.out_dir / TOKENIZER_FILE)  # a resumed run reuses this very tokenizer
+    (args.out_dir / RUN_FILE).write_text(json.dumps(flags, indent=2) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    start = time.perf_counter()
+    first = build_parser().parse_args(argv)  # --help and syntax errors before touching any device
+    try:
+        dist = distributed.setup(first.device)
+    except ValueError as err:
+        build_parser().error(f"--device: {err}")
+    args = parse_args(argv, dist)
+    say = print if dist.is_main else (lambda *a, **k: None)
+    try:
+        tokenizer, train, val, described = load_data(args, dist)
+        model_config, train_config = build_configs(args, tokenizer, dist.device)
+        check_lengths(train, val, model_config.context_length)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if dist.is_main:
+        save_run_files(args, tokenizer)  # on --resume too: flags given now (a larger --max-steps) stick
+    say(f"data: {described}")
+    torch.manual_seed(args.seed)  # the same initial weights on every process
+    model = GPT(model_config)
+    say(f"model: {args.preset}, {model.num_params():,} parameters, context {model_config.context_length}, "
+        f"vocabulary {model_config.vocab_size:,} | {dist.world_size} process(es) on {dist.device.type}, "
+        f"{train_config.dtype}{', compiled' if train_config.compile else ''}, "
+        f"{train_config.batch_size * train_config.grad_accum * dist.world_size * model_config.context_length:,} "
+        f"tokens per step")
+    trainer = Trainer(model, train_config, train, val, args.out_dir, tokenizer, dist,
+                      run_info={"flags": json.loads((args.out_dir / RUN_FILE).read_text()) if dist.is_main else None})
+    try:
+        summary = trainer.fit(resume=args.resume, progress=not args.no_progress)
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # a checkpoint that does not fit this run
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        say(f"\ninterrupted at step {trainer.step}; continue with --resume --out-dir {args.out_dir}")
+        return 130
+    if dist.is_main:
+        export_model(trainer.raw_model, args.out_dir / "model.safetensors", tokenizer)
+    minutes, seconds = divmod(time.perf_counter() - start, 60)
+    say(f"done in {int(minutes)}m{seconds:02.0f}s: {summary['steps']} steps, {summary['tokens_seen'] / 1e6:.2f}M tokens "
+        f"| val loss {summary['val_loss']:.3f} nats/token, perplexity {summary['val_perplexity']:.1f}, "
+        f"{summary['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: checkpoint.pt, model.safetensors, "
+        f"loss.png, metrics.jsonl, summary.json, sample.txt")
+    distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Finetune a pretrained GPT into a spam classifier on the bundled SMS Spam Collection.
+
+    python ch05-finetuning/finetune_classifier.py              # from ch04's runs/pretrain/model.safetensors
+    python ch05-finetuning/finetune_classifier.py --lora --lora-rank 8
+    python ch05-finetuning/finetune_classifier.py --base gpt2-folder --test-mode
+
+The run folder (--out-dir) gets metrics.json (test metrics before and after, per-epoch
+history), training.png (loss and accuracy per epoch), classifier.pt (load it with
+llmscratch.classify.Classifier.load, then .classify(text)) and, with LoRA, adapters.safetensors.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmscratch.classify import (
+    SPAM_LABELS, Classifier, GPTClassifier, classification_loss, evaluate_classifier, make_batches, spam_splits,
+)
+from llmscratch.finetune import (
+    FinetuneConfig, add_arguments, config_from_args, end_of_text_id, fit, load_base, pick_device, set_trainable,
+)
+from llmscratch.lora import lora_layers, merge_lora, save_adapters
+
+DEFAULTS = FinetuneConfig(epochs=4, batch_size=8, lr=5e-4, trainable="all", last_k=2)
+EXAMPLE_MESSAGES = ["Hey, are we still meeting for lunch tomorrow?",
+                    "WINNER! You have been selected for a 1000 cash prize. Call 09061701461 now to claim."]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser, DEFAULTS)
+    parser.add_argument("--max-length", type=int, default=128,
+                        help="tokens kept per message (longer ones are cut; at most the model's context length)")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/classifier"), help="the run folder")
+    parser.add_argument("--test-mode", action="store_true",
+                        help="a smoke test in seconds: 32 training messages, 1 epoch, 32 tokens per message")
+    args = parser.parse_args(argv)
+    if not args.base.exists():
+        parser.error(f"--base {args.base}: no such file or folder (run ch04-pretraining/pretrain.py "
+                     "to make the default one, or name another)")
+    if args.max_length < 1:
+        parser.error(f"--max-length must be at least 1, got {args.max_length}")
+    return args
+
+
+def plot(history: list[dict], path: Path) -> None:
+    """Training and validation loss, and validation accuracy, per epoch."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend
+
+    fig = Figure(figsize=(9, 3.5))
+    loss_ax, acc_ax = fig.subplots(1, 2)
+    trained = [r for r in history if "train_loss" in r]
+    loss_ax.plot([r["epoch"] for r in trained], [r["train_loss"] for r in trained], "o-", label="train")
+    loss_ax.plot([r["epoch"] for r in history], [r["val_loss"] for r in history], "o-", label="validation")
+    loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    acc_ax.plot([r["epoch"] for r in history], [r["val_accuracy"] for r in history], "o-", color="C1")
+    acc_ax.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy", ylim=(0.4, 1.0))
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+    loss_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        config = config_from_args(args)
+        run(args, config)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+
+
+def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
+    start = time.perf_counter()
+    device = pick_device(args.device)
+    torch.manual_seed(config.seed)
+    gpt, tokenizer = load_base(args.base, device)
+    pad_id = end_of_text_id(tokenizer)
+    max_length = min(args.max_length, gpt.config.context_length)
+    splits = spam_splits(seed=config.seed)
+    if args.test_mode:
+        splits = {"train": splits["train"][:32], "validation": splits["validation"][:16], "test": splits["test"][:16]}
+        config.epochs, max_length = 1, min(max_length, 32)
+    encoded = {name: [(tokenizer.encode(text, disallowed_special=()) or [pad_id], label) for text, label in split]
+               for name, split in splits.items()}
+    print(f"{args.base}: {gpt.num_params():,} parameters; messages per split: "
+          + ", ".join(f"{name} {len(split)}" for name, split in splits.items()) + f"; pad id {pad_id}")
+
+    model = GPTClassifier(gpt, n_classes=len(SPAM_LABELS)).to(device)
+    trainable = set_trainable(model.gpt, config, always=[model.head])
+    print(f"training {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters ({config.trainable})")
+    dtype = config.torch_dtype
+    batches = {name: make_batches(examples, 2 * config.batch_size, pad_id, max_length)
+               for name, examples in encoded.items() if name != "train"}
+    before = evaluate_classifier(model, batches["test"], dtype)
+    print(f"test accuracy before finetuning: {before['accuracy']:.1%}")
+
+    history = fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, pad_id, max_length,
+                                                    shuffle_seed=config.seed + epoch),
+                  classification_loss, config, device,
+                  evaluate=lambda: evaluate_classifier(model, batches["validation"], dtype),
+                  progress=not args.no_progress, description="classifier")
+    after = evaluate_classifier(model, batches["test"], dtype)
+    seconds = time.perf_counter() - start
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if lora_layers(model):
+        save_adapters(model.gpt, args.out_dir / "adapters.safetensors")  # names as in a plain GPT
+        merge_lora(model)
+    classifier = Classifier(model, tokenizer, SPAM_LABELS, pad_id, max_length)
+    classifier.save(args.out_dir / "classifier.pt")
+    metrics = {"test_before": before, "test": after, "history": history, "seconds": seconds,
+               "trainable_parameters": trainable, "base": str(args.base), "max_length": max_length, "pad_id": pad_id,
+               "config": {**vars(config), "lora": vars(config.lora)}}
+    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    plot(history, args.out_dir / "training.png")
+
+    print(f"test accuracy {after['accuracy']:.1%}, precision {after['precision']:.1%}, recall {after['recall']:.1%}, "
+          f"F1 {after['f1']:.1%} (before: accuracy {before['accuracy']:.1%}); {seconds:.0f} s in all")
+    print(f"confusion matrix (rows: true ham, spam; columns: predicted): {after['confusion']}")
+    for message in EXAMPLE_MESSAGES:
+        print(f"  {classifier.classify(message):>4}  <- {message!r}")
+    print(f"saved {args.out_dir}/: metrics.json, training.png, classifier.pt")
+
+
+if __name__ == "__main__":
+    main()

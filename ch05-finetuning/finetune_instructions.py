@@ -1,0 +1,153 @@
+"""Finetune a pretrained GPT to follow instructions, and score it against the base model.
+
+    python ch05-finetuning/finetune_instructions.py            # from ch04's runs/pretrain/model.safetensors
+    python ch05-finetuning/finetune_instructions.py --lora --lora-rank 8
+    python ch05-finetuning/finetune_instructions.py --base gpt2-folder --test-mode
+
+Trains on the bundled instruction set (or --data, a JSON list of records with instruction,
+input, output, split and optionally family), then answers the test prompts with the base model
+and the finetuned one. The run folder (--out-dir) gets metrics.json, comparison.md (exact
+match per family, well-formed answers, held-out response loss), answers.jsonl,
+model.safetensors (the finetuned model, LoRA merged, which --base and
+llmscratch.checkpoint.model_from_checkpoint accept) and, with LoRA, adapters.safetensors.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmscratch.assets import INSTRUCTIONS_PATH
+from llmscratch.checkpoint import export_model
+from llmscratch.finetune import (
+    FinetuneConfig, add_arguments, config_from_args, end_of_text_id, fit, load_base, pick_device, set_trainable,
+)
+from llmscratch.instruct import (
+    comparison_table, encode_records, evaluate_responses, lm_loss, make_batches, respond, response_loss,
+    validate_records,
+)
+from llmscratch.lora import lora_layers, merge_lora, save_adapters
+
+DEFAULTS = FinetuneConfig(epochs=3, batch_size=8, lr=5e-4, trainable="all")
+SPLITS = ("train", "validation", "test")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser, DEFAULTS)
+    parser.add_argument("--data", type=Path, default=INSTRUCTIONS_PATH,
+                        help="a JSON list of records (instruction, input, output, split; family optional)")
+    parser.add_argument("--train-on-prompt", action="store_true",
+                        help="learn the prompt tokens too (default: mask them, so only the response is learned)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="longest answer generated per test prompt")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/instructions"), help="the run folder")
+    parser.add_argument("--test-mode", action="store_true",
+                        help="a smoke test in seconds: 2 training records per family, 1 epoch, "
+                             "1 test record per family")
+    args = parser.parse_args(argv)
+    if not args.base.exists():
+        parser.error(f"--base {args.base}: no such file or folder (run ch04-pretraining/pretrain.py "
+                     "to make the default one, or name another)")
+    if not args.data.is_file():
+        parser.error(f"--data {args.data}: no such file")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    return args
+
+
+def read_splits(path: Path, test_mode: bool) -> dict[str, list[dict]]:
+    """The records of each split (ValueError naming a malformed record)."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a JSON file: {err}") from None
+    validate_records(records)
+    for index, record in enumerate(records):
+        if record.get("split") not in SPLITS:
+            raise ValueError(f"record {index}: field 'split' is {record.get('split')!r}, expected one of {SPLITS}")
+    splits = {name: [r for r in records if r["split"] == name] for name in SPLITS}
+    if test_mode:  # records spread evenly over each split: the bundled file lists them family by family
+        keep = {"train": 26, "validation": 13, "test": 13}
+        splits = {name: split[:: max(1, len(split) // keep[name])][: keep[name]] for name, split in splits.items()}
+    for name in ("train", "test"):
+        if not splits[name]:
+            raise ValueError(f"{path} has no {name!r} records")
+    return splits
+
+
+def score(model, tokenizer, records, encoded, eos_id, args, max_length, dtype) -> tuple[dict, list]:
+    """Answers to the test records, their scores, and the loss on the reference answers."""
+    answers = respond(model, tokenizer, records, args.max_new_tokens, dtype=dtype, progress=not args.no_progress)
+    scores = evaluate_responses(records, answers)
+    scores["response_loss"] = response_loss(model, encoded, eos_id, max_length=max_length, dtype=dtype)
+    return scores, answers
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args, config_from_args(args))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+
+
+def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
+    start = time.perf_counter()
+    device = pick_device(args.device)
+    torch.manual_seed(config.seed)
+    splits = read_splits(args.data, args.test_mode)
+    if args.test_mode:
+        config.epochs = 1
+        args.max_new_tokens = min(args.max_new_tokens, 8)
+    model, tokenizer = load_base(args.base, device)
+    eos_id = end_of_text_id(tokenizer)
+    max_length = model.config.context_length
+    encoded = {name: encode_records(split, tokenizer) for name, split in splits.items()}
+    print(f"{args.base}: {model.num_params():,} parameters; records per split: "
+          + ", ".join(f"{name} {len(split)}" for name, split in splits.items()))
+    dtype = config.torch_dtype
+
+    base_scores, base_answers = score(model, tokenizer, splits["test"], encoded["test"], eos_id, args,
+                                      max_length, dtype)  # before any change: the base model's scores
+    print(f"base model: exact match {base_scores['exact_match']:.1%}, "
+          f"response loss {base_scores['response_loss']:.3f}")
+
+    trainable = set_trainable(model, config, always=[] if config.trainable == "lora" else [model.lm_head])
+    print(f"training {trainable:,} parameters ({config.trainable})")
+    mask_prompt = not args.train_on_prompt
+    validation = encoded["validation"]
+    history = fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, eos_id, mask_prompt,
+                                                    max_length, shuffle_seed=config.seed + epoch),
+                  lm_loss, config, device,
+                  evaluate=(lambda: {"response_loss": response_loss(model, validation, eos_id, max_length=max_length,
+                                                                    dtype=dtype)}) if validation else None,
+                  progress=not args.no_progress, description="instructions")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if lora_layers(model):
+        save_adapters(model, args.out_dir / "adapters.safetensors")
+        merge_lora(model)
+    scores, answers = score(model, tokenizer, splits["test"], encoded["test"], eos_id, args, max_length, dtype)
+    seconds = time.perf_counter() - start
+
+    export_model(model, args.out_dir / "model.safetensors", tokenizer)
+    table = comparison_table({"base": base_scores, "finetuned": scores})
+    (args.out_dir / "comparison.md").write_text(table + "\n", encoding="utf-8")
+    with open(args.out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
+        for record, base, tuned in zip(splits["test"], base_answers, answers):
+            f.write(json.dumps({**record, "base": base.text, "finetuned": tuned.text,
+                                "finetuned_well_formed": tuned.well_formed}, ensure_ascii=False) + "\n")
+    metrics = {"base": base_scores, "finetuned": scores, "history": history, "seconds": seconds,
+               "trainable_parameters": trainable, "mask_prompt": mask_prompt, "base_model": str(args.base),
+               "config": {**vars(config), "lora": vars(config.lora)}}
+    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    print(table)
+    print(f"{seconds:.0f} s in all; saved {args.out_dir}/: metrics.json, comparison.md, answers.jsonl, "
+          "model.safetensors")
+
+
+if __name__ == "__main__":
+    main()

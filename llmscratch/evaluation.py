@@ -1,0 +1,92 @@
+"""Held-out evaluation of a language model: loss, perplexity and bits per byte.
+
+Loss per token depends on the tokenizer (a character model predicts more, easier tokens
+than a BPE model), so runs with different vocabularies are compared in bits per byte: the
+total loss in bits divided by the number of UTF-8 bytes the predicted tokens stand for.
+"""
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmscratch import distributed
+
+
+def autocast(device: torch.device | str, dtype: torch.dtype):
+    """Mixed precision for the forward pass (CUDA or CPU); a no-op context in float32."""
+    device = torch.device(device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) float64: UTF-8 byte length of each token id (0 for special and padding ids).
+
+    ``tokenizer.vocab`` maps id -> bytes, as ``BPETokenizer`` does.
+    """
+    lengths = torch.zeros(vocab_size, dtype=torch.float64)
+    for token_id, token in tokenizer.vocab.items():
+        if token_id >= vocab_size:
+            raise ValueError(f"token id {token_id} does not fit a model vocabulary of {vocab_size}")
+        lengths[token_id] = len(token)
+    return lengths
+
+
+def bits_per_byte(loss: float, bytes_per_token: float) -> float:
+    """Convert a loss in nats per token to bits per byte of text."""
+    return loss / math.log(2) / bytes_per_token
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits (B, T, V) against the next tokens (B, T), in float32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, batch_size: int,
+             device: torch.device, dtype: torch.dtype = torch.float32, max_tokens: int | None = None,
+             dist_info: distributed.DistInfo = distributed.DistInfo()) -> dict[str, float]:
+    """Loss (nats/token), perplexity and bits per byte over consecutive windows of ``tokens``.
+
+    The first ``max_tokens`` tokens (all by default) are cut into windows of the model's
+    context length, and every token of a window but the first is predicted once. With several
+    processes each evaluates every world_size-th window and the sums are added up, so every
+    process gets the same numbers. ``model`` must not be DDP-wrapped (its forward would talk to
+    the other processes, which evaluate different windows).
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("evaluate the model inside DistributedDataParallel, not the wrapper")
+    from llmscratch.checkpoint import unwrap  # checkpoint imports the model; keep this module light
+
+    context = unwrap(model).config.context_length
+    usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+    n_windows = (usable - 1) // context
+    if n_windows < 1:
+        raise ValueError(f"evaluation needs at least context_length + 1 = {context + 1} tokens, got {usable}")
+    was_training = model.training
+    model.eval()
+    nats = count = n_bytes = 0.0
+    mine = range(dist_info.rank, n_windows, dist_info.world_size)
+    for first in range(0, len(mine), batch_size):
+        starts = [s * context for s in mine[first : first + batch_size]]
+        windows = np.stack([tokens[s : s + context + 1] for s in starts])  # (B, T + 1)
+        windows = torch.from_numpy(windows.astype(np.int64)).to(device)
+        inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
+        with autocast(device, dtype):
+            logits = model(inputs)  # (B, T, V)
+        nats += next_token_loss(logits, targets, reduction="sum").item()
+        count += targets.numel()
+        n_bytes += token_bytes[targets.cpu()].sum().item()
+    model.train(was_training)
+    # float64 keeps the sums exact enough; on CUDA the tensor must live on the GPU for NCCL.
+    totals = torch.tensor([nats, count, n_bytes], dtype=torch.float64,
+                          device=device if device.type == "cuda" else "cpu")
+    nats, count, n_bytes = distributed.all_reduce_sum(totals).tolist()
+    loss = nats / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else float("nan")}

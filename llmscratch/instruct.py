@@ -1,0 +1,238 @@
+"""Instruction finetuning: Alpaca-style prompts, a masking collate function, answers and their scores.
+
+A record is ``{"instruction": ..., "input": ..., "output": ...}`` (input may be empty). The
+model learns to continue the prompt with the output and then ``<|endoftext|>``; at inference
+it answers until it emits that token. Answers are scored without an external judge: exact
+match per task family, the share of well-formed answers, and the loss on held-out answers.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmscratch.generate import generate
+from llmscratch.evaluation import autocast, next_token_loss
+
+HEADER = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+FIELDS = ("instruction", "input", "output")
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: these targets add nothing to the loss
+TEMPLATE_MARKERS = ("###", HEADER[:24])  # text of the template that has no place in an answer
+
+
+# --------------------------------------------------------------------------- records
+def validate_records(records) -> list[dict]:
+    """The records, checked: ValueError naming the index and field of the first bad one.
+
+    instruction, input and output must be strings; instruction and output must not be blank
+    (an empty output would teach the model to stop at once). family and split, if present,
+    must be strings too.
+    """
+    if not isinstance(records, list):
+        raise ValueError(f"instruction data must be a list of records, got {type(records).__name__}")
+    for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"record {index} is a {type(record).__name__}, expected an object with fields {FIELDS}")
+        for name in (*FIELDS, "family", "split"):
+            if name not in record:
+                if name in FIELDS:
+                    raise ValueError(f"record {index}: field {name!r} is missing")
+                continue
+            if not isinstance(record[name], str):
+                raise ValueError(f"record {index}: field {name!r} must be a string, "
+                                 f"got {type(record[name]).__name__} {record[name]!r}")
+        for name in ("instruction", "output"):
+            if not record[name].strip():
+                raise ValueError(f"record {index}: field {name!r} is empty")
+    return records
+
+
+def format_prompt(record: dict) -> str:
+    """The Alpaca-style prompt: header, instruction, the input if any, and the response marker."""
+    prompt = f"{HEADER}\n\n### Instruction:\n{record['instruction']}"
+    if record.get("input"):
+        prompt += f"\n\n### Input:\n{record['input']}"
+    return prompt + "\n\n### Response:\n"
+
+
+def encode_records(records: Sequence[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference."""
+    return [(tokenizer.encode(format_prompt(r), disallowed_special=()),
+             tokenizer.encode(r["output"], disallowed_special=())) for r in validate_records(list(records))]
+
+
+# --------------------------------------------------------------------------- batches
+def collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], eos_id: int, pad_id: int | None = None,
+            mask_prompt: bool = False, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (B, T) for next-token training on prompt + output + <|endoftext|>.
+
+    Each row is shifted by one (targets[t] = sequence[t + 1]); rows are padded on the right to
+    the longest in the batch, inputs with pad_id (default eos_id), targets with IGNORE_INDEX,
+    so the one end-of-text target that matters stays. mask_prompt also sets the targets inside
+    the prompt to IGNORE_INDEX: only the output is learned. Rows are cut to max_length tokens.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    pad_id = eos_id if pad_id is None else pad_id
+    rows = []
+    for prompt, output in examples:
+        sequence = [*prompt, *output, eos_id]
+        targets = sequence[1:]
+        if mask_prompt:  # targets[t] is sequence[t + 1]: the first len(prompt) - 1 are prompt tokens
+            masked = max(len(prompt) - 1, 0)
+            targets[:masked] = [IGNORE_INDEX] * masked
+        rows.append((sequence[:-1][:max_length], targets[:max_length]))
+    longest = max(len(inputs) for inputs, _ in rows)
+    inputs = torch.full((len(rows), longest), pad_id, dtype=torch.long)  # (B, T)
+    targets = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+    for i, (row_inputs, row_targets) in enumerate(rows):
+        inputs[i, : len(row_inputs)] = torch.tensor(row_inputs, dtype=torch.long)
+        targets[i, : len(row_targets)] = torch.tensor(row_targets, dtype=torch.long)
+    return inputs, targets
+
+
+def make_batches(encoded: Sequence[tuple[list[int], list[int]]], batch_size: int, eos_id: int,
+                 mask_prompt: bool = False, max_length: int | None = None,
+                 shuffle_seed: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``collate``d batches of the encoded examples, in a seeded random order if shuffle_seed is given."""
+    order = list(range(len(encoded)))
+    if shuffle_seed is not None:
+        order = torch.randperm(len(order), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+    return [collate([encoded[i] for i in order[start : start + batch_size]], eos_id, mask_prompt=mask_prompt,
+                    max_length=max_length) for start in range(0, len(order), batch_size)]
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token loss over the targets that are not IGNORE_INDEX."""
+    device = next(model.parameters()).device
+    inputs, targets = (t.to(device) for t in batch)
+    return next_token_loss(model(inputs), targets)  # logits (B, T, V)
+
+
+@torch.no_grad()
+def response_loss(model: nn.Module, encoded: Sequence[tuple[list[int], list[int]]], eos_id: int,
+                  batch_size: int = 16, max_length: int | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """Loss (nats per token) on the outputs and their end-of-text token, the prompts masked."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for inputs, targets in make_batches(encoded, batch_size, eos_id, mask_prompt=True, max_length=max_length):
+        with autocast(device, dtype):
+            logits = model(inputs.to(device))  # (B, T, V)
+        targets = targets.to(device)
+        total += next_token_loss(logits, targets, reduction="sum").item()
+        count += int((targets != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total / count
+
+
+# --------------------------------------------------------------------------- answers
+@dataclass(frozen=True)
+class Response:
+    """A generated answer: its text (template stripped), whether it ended with <|endoftext|>,
+    and whether it wrote template text (a new "### ..." section or the header)."""
+
+    text: str
+    finished: bool
+    leaked: bool
+
+    @property
+    def well_formed(self) -> bool:
+        return self.finished and not self.leaked
+
+
+def parse_response(new_ids: Sequence[int], tokenizer, eos_id: int) -> Response:
+    """The answer in generated ids: cut at end-of-text, and at any template text it starts writing."""
+    ids = list(new_ids)
+    finished = eos_id in ids
+    text = tokenizer.decode(ids[: ids.index(eos_id)] if finished else ids)
+    cuts = [text.index(marker) for marker in TEMPLATE_MARKERS if marker in text]
+    if cuts:
+        text = text[: min(cuts)]
+    return Response(text.strip(), finished, leaked=bool(cuts))
+
+
+def respond(model: nn.Module, tokenizer, records: Sequence[dict], max_new_tokens: int = 32, batch_size: int = 32,
+            dtype: torch.dtype = torch.float32, progress: bool = False) -> list[Response]:
+    """Greedy answers to the records' prompts, stopping at <|endoftext|> (via ``llmscratch.generate``).
+
+    Prompts of equal token length share a batch, so no prompt is padded.
+    """
+    eos_id = tokenizer.eot_token
+    if eos_id is None:
+        raise ValueError("the tokenizer has no <|endoftext|> token to end answers with")
+    device = next(model.parameters()).device
+    context = model.config.context_length
+    prompts = [tokenizer.encode(format_prompt(r), disallowed_special=()) for r in validate_records(list(records))]
+    by_length: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        if len(prompt) >= context:
+            raise ValueError(f"record {index}: its prompt has {len(prompt)} tokens, leaving no room to answer "
+                             f"within context_length={context}")
+        by_length.setdefault(len(prompt), []).append(index)
+    responses: list[Response | None] = [None] * len(prompts)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc="answering", unit="prompt")
+    for length, indices in by_length.items():
+        steps = min(max_new_tokens, context - length + 1)  # the last new token is never fed back
+        for start in range(0, len(indices), batch_size):
+            chosen = indices[start : start + batch_size]
+            idx = torch.tensor([prompts[i] for i in chosen], device=device)  # (b, length)
+            with autocast(device, dtype):
+                out = generate(model, idx, steps, eos_id=eos_id)  # (b, length + n)
+            for row, i in enumerate(chosen):
+                responses[i] = parse_response(out[row, length:].tolist(), tokenizer, eos_id)
+            if bar is not None:
+                bar.update(len(chosen))
+    if bar is not None:
+        bar.close()
+    return responses
+
+
+# --------------------------------------------------------------------------- scores
+def normalize(text: str) -> str:
+    """Lower case, runs of whitespace as one space, no leading or trailing space."""
+    return " ".join(text.lower().split())
+
+
+def evaluate_responses(records: Sequence[dict], responses: Sequence[Response]) -> dict:
+    """Exact match (normalised) overall and per family, and the share of well-formed answers.
+
+    The two are separate measures: a right answer followed by template text counts as a match
+    (its text is cut before the template) but not as well-formed.
+    """
+    if len(records) != len(responses) or not records:
+        raise ValueError(f"need one response per record, and at least one; got {len(responses)} for {len(records)}")
+    hits: dict[str, list[bool]] = {}
+    for record, response in zip(records, responses):
+        hit = normalize(response.text) == normalize(record["output"])
+        hits.setdefault(record.get("family", "all"), []).append(hit)
+    every = [hit for family in hits.values() for hit in family]
+    return {"exact_match": sum(every) / len(every),
+            "well_formed": sum(r.well_formed for r in responses) / len(responses),
+            "by_family": {family: sum(h) / len(h) for family, h in sorted(hits.items())}}
+
+
+def comparison_table(results: dict[str, dict]) -> str:
+    """A Markdown table, one column per model: exact match per family, overall, well-formed, loss.
+
+    results maps a model's name to ``evaluate_responses``'s dict, optionally with "response_loss".
+    """
+    def row(label: str, cells) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    names = list(results)
+    families = sorted({f for r in results.values() for f in r["by_family"]})
+    lines = [row("exact match", names), "|---|" + "---:|" * len(names)]
+    for family in families:
+        lines.append(row(family, (f"{results[n]['by_family'].get(family, 0.0):.0%}" for n in names)))
+    lines.append(row("**all families**", (f"**{results[n]['exact_match']:.1%}**" for n in names)))
+    lines.append(row("well-formed answers", (f"{results[n]['well_formed']:.1%}" for n in names)))
+    if all("response_loss" in r for r in results.values()):
+        lines.append(row("held-out response loss", (f"{results[n]['response_loss']:.3f}" for n in names)))
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""LoRA (Hu et al., 2021): finetune a few low-rank matrices beside frozen linear layers.
+
+A frozen layer ``y = x W^T + b`` gets a trainable update ``(alpha / rank) * x A^T B^T`` with
+A (rank, in) random and B (out, rank) zero, so training starts from exactly the base model.
+``apply_lora`` wraps chosen ``nn.Linear`` modules of a model and freezes everything else;
+``merge_lora`` folds each update into a plain ``nn.Linear`` (no extra cost at inference);
+``save_adapters`` / ``load_adapters`` store the A and B matrices alone, in safetensors.
+"""
+
+import fnmatch
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+# Every linear layer inside the blocks: attention (qkv, out_proj) and the MLP (GPT-2's fc, proj;
+# Llama's gate, up, down). The output head is left out: it is often tied to the embedding.
+DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.out_proj", "*.mlp.*")
+_FORMAT = "llmscratch-lora"
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Rank and scale of the adapters, and which linear layers get one (glob patterns on names)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.targets, str) or not self.targets:
+            raise ValueError(f"targets must be a non-empty tuple of name patterns, got {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update scaled by alpha / rank."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise ValueError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
+        LoRAConfig(rank=rank, alpha=alpha, dropout=dropout)  # validates the numbers
+        self.base = base
+        self.base.requires_grad_(False)
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank  # keeps the update's size steady when the rank changes
+        weight = base.weight
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=weight.device, dtype=weight.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=weight.device, dtype=weight.dtype))
+        # A as nn.Linear initialises its weight; B = 0 makes the update zero at the start.
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.dropout(x) @ self.lora_a.T @ self.lora_b.T  # (..., in) -> (..., rank) -> (..., out)
+        return self.base(x) + self.scaling * update  # (..., out)
+
+    def delta_weight(self) -> torch.Tensor:
+        """The update as a full matrix (out, in), in at least float32: what merging adds to the base weight."""
+        wide = torch.promote_types(self.lora_a.dtype, torch.float32)
+        return self.scaling * (self.lora_b.to(wide) @ self.lora_a.to(wide))  # (out, in)
+
+    def merged(self) -> nn.Linear:
+        """A plain ``nn.Linear`` computing the same function (dropout aside), with new storage.
+
+        The base weight is never changed in place: a head tied to the token embedding keeps the
+        embedding intact and gets its own merged matrix.
+        """
+        base = self.base
+        linear = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                           device=base.weight.device, dtype=base.weight.dtype)
+        with torch.no_grad():
+            # Summed in at least float32: a bf16 base would otherwise round the small update away.
+            wide = torch.promote_types(base.weight.dtype, torch.float32)
+            linear.weight.copy_(base.weight.to(wide) + self.delta_weight())  # (out, in)
+            if base.bias is not None:
+                linear.bias.copy_(base.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every LoRA-wrapped layer of the model, by module name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig = LoRAConfig()) -> list[str]:
+    """Freeze every parameter, then wrap the ``nn.Linear`` layers whose names match a target.
+
+    Patterns are shell-style globs (``fnmatch``) matched against full module names such as
+    ``blocks.0.attn.qkv``. Returns the wrapped names; ValueError if a pattern matches no
+    linear layer or the model already has adapters.
+    """
+    if lora_layers(model):
+        raise ValueError("the model already has LoRA adapters; merge_lora it first or load into it")
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    chosen = []
+    for pattern in config.targets:
+        matches = fnmatch.filter(linears, pattern)
+        if not matches:
+            shown = ", ".join(linears[:6]) + (" ..." if len(linears) > 6 else "")
+            raise ValueError(f"LoRA target {pattern!r} matches no linear layer; the linear layers are: {shown}")
+        chosen.extend(m for m in matches if m not in chosen)
+    model.requires_grad_(False)
+    for name in chosen:
+        _replace(model, name, LoRALinear(model.get_submodule(name), config.rank, config.alpha, config.dropout))
+    return chosen
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace every LoRA layer by its merged ``nn.Linear`` (in place); returns the model."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapters to merge")
+    for name, layer in layers.items():
+        merged = layer.merged()
+        merged.requires_grad_(layer.base.weight.requires_grad)  # frozen like the base it replaces
+        _replace(model, name, merged)
+    return model
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Parameters of the model, each shared (tied) tensor once; optionally only the trainable ones."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write the A and B matrices of every adapter (and their rank and alpha) to a safetensors file."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapters to save")
+    tensors = {}
+    for name, layer in layers.items():
+        tensors[f"{name}.lora_a"] = layer.lora_a.detach().contiguous().cpu()
+        tensors[f"{name}.lora_b"] = layer.lora_b.detach().contiguous().cpu()
+    shapes = {name: {"rank": layer.rank, "alpha": layer.alpha} for name, layer in layers.items()}
+    metadata = {"format": _FORMAT, "layers": json.dumps(shapes, sort_keys=True)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    os.replace(tmp, path)  # atomic: a crash leaves the previous file whole
+
+
+def load_adapters(model: nn.Module, path: str | os.PathLike, dropout: float = 0.0) -> list[str]:
+    """Load adapters saved by ``save_adapters``, wrapping the same layers first if needed.
+
+    Returns the adapted layer names; ValueError naming the layer if the file does not fit.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no adapter file at {path}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for foreign files
+        raise ValueError(f"{path} is not a safetensors file: {err}") from None
+    if metadata.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not an llmscratch LoRA adapter file (format {metadata.get('format')!r})")
+    expected = json.loads(metadata["layers"])  # name -> {"rank", "alpha"}
+    layers = lora_layers(model)
+    if not layers:  # wrap the layers the file names, each with its own rank and alpha
+        linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        missing = sorted(set(expected) - set(linears))
+        if missing:  # checked before anything changes: a failed load leaves the model as it was
+            raise ValueError(f"the adapters in {path} are for layers {missing}, "
+                             "which this model has no linear layer for")
+        model.requires_grad_(False)
+        for name, shape in expected.items():
+            _replace(model, name, LoRALinear(linears[name], shape["rank"], shape["alpha"], dropout))
+        layers = lora_layers(model)
+    if sorted(layers) != sorted(expected):
+        raise ValueError(f"the adapters in {path} are for layers {sorted(expected)}, the model has {sorted(layers)}")
+    for name, shape in expected.items():
+        layer = layers[name]
+        if layer.alpha != shape["alpha"]:
+            raise ValueError(f"{name}: the file's adapter has alpha={shape['alpha']}, the model's {layer.alpha}")
+        for part in ("lora_a", "lora_b"):
+            tensor, param = tensors[f"{name}.{part}"], getattr(layer, part)
+            if tensor.shape != param.shape:
+                raise ValueError(f"{name}.{part}: the file has shape {tuple(tensor.shape)}, "
+                                 f"the model {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+    return sorted(expected)

@@ -1,0 +1,146 @@
+"""The chapter 5 scripts end to end in --test-mode, on a tiny checkpoint written by llmscratch.train."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from llmscratch.assets import INSTRUCTIONS_PATH, read_moby_dick  # noqa: E402
+from llmscratch.checkpoint import export_model, model_from_checkpoint  # noqa: E402
+from llmscratch.classify import Classifier  # noqa: E402
+from llmscratch.finetune import load_base  # noqa: E402
+from llmscratch.lora import load_adapters, lora_layers  # noqa: E402
+from llmscratch.model import GPT, GPTConfig  # noqa: E402
+from llmscratch.tokenizer import BPETokenizer  # noqa: E402
+from llmscratch.train import Trainer, TrainConfig  # noqa: E402
+from llmscratch.weights import save_hf  # noqa: E402
+
+CHAPTER = Path(__file__).resolve().parents[1] / "ch05-finetuning"
+
+
+def script(name: str):
+    """Import a chapter script as a module, to call its main(argv) in this process."""
+    spec = importlib.util.spec_from_file_location(name, CHAPTER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """checkpoint.pt of a two-step pretraining run of a tiny Llama-style model (and its export)."""
+    folder = tmp_path_factory.mktemp("pretrain")
+    text = read_moby_dick()[:30_000]
+    tokenizer = BPETokenizer.train(text, 384, special_tokens=["<|endoftext|>"])
+    tokens = np.array(tokenizer.encode(text), dtype=np.uint16)
+    config = GPTConfig.from_preset("llama-tiny", vocab_size=tokenizer.vocab_size, context_length=256, d_model=32,
+                                   n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    train = TrainConfig(max_steps=2, batch_size=2, warmup_steps=1, eval_interval=2, checkpoint_interval=2,
+                        sample_interval=2, sample_tokens=4, log_interval=1)
+    trainer = Trainer(GPT(config), train, tokens[:-600], tokens[-600:], folder, tokenizer)
+    trainer.fit(progress=False)
+    export_model(trainer.raw_model, folder / "model.safetensors", tokenizer)  # as ch04's pretrain.py does
+    return folder / "checkpoint.pt"
+
+
+def test_classifier_script_in_test_mode(checkpoint, tmp_path):
+    out = tmp_path / "run"
+    script("finetune_classifier").main(["--base", str(checkpoint), "--out-dir", str(out), "--test-mode",
+                                        "--no-progress"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("accuracy", "precision", "recall", "f1"):
+        assert 0.0 <= metrics["test"][key] <= 1.0 and 0.0 <= metrics["test_before"][key] <= 1.0
+    assert sum(map(sum, metrics["test"]["confusion"])) == 16
+    assert [r["epoch"] for r in metrics["history"]] == [0, 1]
+    assert (out / "training.png").stat().st_size > 1000
+    classifier = Classifier.load(out / "classifier.pt")
+    assert classifier.classify("Free entry! Text WIN to 80086 now") in ("ham", "spam")
+
+
+def test_classifier_script_with_lora(checkpoint, tmp_path):
+    out = tmp_path / "run"
+    script("finetune_classifier").main(["--base", str(checkpoint), "--out-dir", str(out), "--test-mode",
+                                        "--no-progress", "--lora", "--lora-rank", "2"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["trainable"] == "lora" and metrics["config"]["lora"]["rank"] == 2
+    base, _ = load_base(checkpoint)
+    assert load_adapters(base, out / "adapters.safetensors") == sorted(lora_layers(base))
+    # Per block, rank 2 on qkv (32 -> 64), out_proj (32 -> 32) and three SwiGLU layers (32 <-> 64);
+    # two blocks, plus the 2-class head.
+    assert metrics["trainable_parameters"] == 2 * 2 * (96 + 64 + 3 * 96) + 2 * 32 + 2
+
+
+def test_classifier_script_from_a_gpt2_folder(tmp_path):
+    torch.manual_seed(0)
+    save_hf(GPT(GPTConfig(vocab_size=50257, context_length=64, d_model=8, n_layers=1, n_heads=2)), tmp_path / "hf")
+    script("finetune_classifier").main(["--base", str(tmp_path / "hf"), "--out-dir", str(tmp_path / "run"),
+                                        "--test-mode", "--no-progress", "--trainable", "head"])
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["trainable_parameters"] == 2 * 8 + 2 and metrics["max_length"] == 32
+
+
+def test_instruction_script_in_test_mode(checkpoint, tmp_path):
+    out = tmp_path / "run"
+    export = checkpoint.with_name("model.safetensors")
+    script("finetune_instructions").main(["--base", str(export), "--out-dir", str(out), "--test-mode",
+                                          "--no-progress", "--lora"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    for model in ("base", "finetuned"):
+        assert 0.0 <= metrics[model]["exact_match"] <= 1.0 and metrics[model]["response_loss"] > 0
+        assert len(metrics[model]["by_family"]) == 13
+    assert metrics["mask_prompt"] is True
+    assert "| held-out response loss |" in (out / "comparison.md").read_text()
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 13 and {"base", "finetuned", "output"} <= set(answers[0])
+    finetuned = model_from_checkpoint(out / "model.safetensors")  # merged: a plain GPT again
+    assert not lora_layers(finetuned)
+    assert (out / "adapters.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["finetune_classifier", "finetune_instructions"])
+def test_help_and_bad_input_are_clear(name, tmp_path, capsys):
+    main = script(name).main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--lora-rank" in help_text and "--test-mode" in help_text and "--out-dir" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--base", str(tmp_path / "nothing.pt")])
+    assert exit_info.value.code == 2 and "no such file or folder" in capsys.readouterr().err
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit, match=r"^error: .*junk.pt is not a readable llmscratch checkpoint"):
+        main(["--base", str(junk), "--out-dir", str(tmp_path / "run")])
+
+
+def test_a_bad_base_ends_the_process_with_a_message_not_a_traceback(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    result = subprocess.run([sys.executable, str(CHAPTER / "finetune_classifier.py"), "--base", str(junk),
+                             "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.startswith("error:") and "Traceback" not in result.stderr
+
+
+def test_instruction_script_names_a_malformed_record(checkpoint, tmp_path):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b", "split": "train"},
+                                {"instruction": "a", "input": "", "split": "test"}]))
+    with pytest.raises(SystemExit, match="record 1: field 'output' is missing"):
+        script("finetune_instructions").main(["--base", str(checkpoint), "--data", str(data), "--out-dir",
+                                              str(tmp_path / "run")])
+
+
+def test_instruction_data_is_reproduced_by_its_script(tmp_path):
+    make = script("make_instruction_data")
+    make.main(["--check"])  # the committed file is exactly what the script writes
+    make.main(["--out", str(tmp_path / "other.json"), "--seed", "1"])
+    assert (tmp_path / "other.json").read_text() != INSTRUCTIONS_PATH.read_text()

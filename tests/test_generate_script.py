@@ -1,0 +1,180 @@
+"""ch03-architecture/generate.py end to end: our checkpoints and a Hugging Face folder, text and errors."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
+
+import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
+
+from llmscratch.assets import read_moby_dick  # noqa: E402
+from llmscratch.checkpoint import export_model, save_checkpoint  # noqa: E402
+from llmscratch.generate import generate_text  # noqa: E402
+from llmscratch.model import GPT, GPTConfig  # noqa: E402
+from llmscratch.tokenizer import BPETokenizer  # noqa: E402
+from llmscratch.weights import save_hf  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "ch03-architecture" / "generate.py"
+PROMPT = "Call me Ishmael. Some years ago"
+
+
+def load_script():
+    """The script as a module, to call its main(argv) in this process (faster than a subprocess)."""
+    spec = importlib.util.spec_from_file_location("ch03_generate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    """The script in a fresh interpreter; stdout kept as bytes (text mode would rewrite '\\r')."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, env=env, timeout=120)
+
+
+def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """Weights large enough that greedy decoding does not settle on one repeated token."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            is_gain = param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
+            param.copy_(1.0 + 0.1 * noise if is_gain else scale * noise)
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    """A tiny Llama-style model with its own tokenizer, saved both ways a training run saves it."""
+    folder = tmp_path_factory.mktemp("run")
+    tokenizer = BPETokenizer.train(read_moby_dick()[:20_000], 320, special_tokens=["<|endoftext|>"])
+    config = GPTConfig.from_preset("llama-tiny", vocab_size=tokenizer.vocab_size, context_length=64, d_model=32,
+                                   n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    model = GPT(config)
+    randomize(model, seed=0, scale=0.3)
+    export_model(model, folder / "model.safetensors", tokenizer)
+    save_checkpoint(folder / "checkpoint.pt", {"model": model.state_dict(), "model_config": config.to_dict(),
+                                               "tokenizer": tokenizer.to_json()})
+    return folder, model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2(tmp_path_factory):
+    """A tiny random transformers GPT-2 with GPT-2's vocabulary, saved as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("hf")
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=16, n_layer=1, n_head=2,
+                                     bos_token_id=None, eos_token_id=None)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    randomize(model, seed=1, scale=0.3)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def test_greedy_text_from_a_hugging_face_folder_is_transformers_text(hf_gpt2):
+    folder, reference = hf_gpt2
+    result = run(folder, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "30", "--ignore-eos")
+    assert result.returncode == 0, result.stderr.decode()
+    tokenizer = BPETokenizer.gpt2()
+    idx = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        expected = reference.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=30, do_sample=False)
+    assert expected.shape[1] == idx.shape[1] + 30
+    assert result.stdout.decode("utf-8") == tokenizer.decode(expected[0].tolist()) + "\n"
+
+
+def test_sampled_text_from_a_run_folder_is_generate_text(ours):
+    folder, model, tokenizer = ours
+    result = run(folder, "--prompt", PROMPT, "--max-new-tokens", "40", "--temperature", "1.0",
+                 "--top-k", "50", "--top-p", "0.9", "--seed", "7")
+    assert result.returncode == 0, result.stderr.decode()
+    expected = generate_text(model, tokenizer, PROMPT, 40, temperature=1.0, top_k=50, top_p=0.9,
+                             eos_id=tokenizer.eot_token, generator=torch.Generator().manual_seed(7))
+    assert len(expected) > len(PROMPT) + 20
+    assert result.stdout.decode("utf-8") == expected + "\n"
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "checkpoint.pt"])
+def test_in_process_options_greedy_seed_dtype_and_empty_prompt(ours, capsys, target):
+    folder, model, tokenizer = ours
+    main = load_script().main
+    greedy = generate_text(model, tokenizer, PROMPT, 25, eos_id=tokenizer.eot_token)
+
+    def output(*argv):
+        main([str(folder / target), "--max-new-tokens", "25", *argv])
+        return capsys.readouterr().out
+
+    assert output("--prompt", PROMPT, "--temperature", "0") == greedy + "\n"
+    assert output("--prompt", PROMPT, "--top-k", "1") == greedy + "\n"  # k=1 is greedy
+    first, again = (output("--prompt", PROMPT, "--seed", "3", "--temperature", "1.5") for _ in range(2))
+    assert first == again and first != output("--prompt", PROMPT, "--seed", "4", "--temperature", "1.5")
+    bf16 = output("--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "25", "--dtype", "bfloat16")
+    assert bf16.startswith(PROMPT) and len(bf16) > len(PROMPT) + 10
+    unconditional = output("--temperature", "0", "--ignore-eos")
+    start = tokenizer.decode([tokenizer.eot_token])
+    assert unconditional == generate_text(model, tokenizer, start, 25)[len(start):] + "\n"
+
+
+def test_help_explains_every_flag():
+    result = run("--help")
+    assert result.returncode == 0
+    text = result.stdout.decode()
+    for flag in ("--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--eos-id",
+                 "--ignore-eos", "--tokenizer", "--dtype", "--device"):
+        assert flag in text
+
+
+def test_a_bad_path_or_file_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().main([str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2 and "nowhere: no such file or folder" in capsys.readouterr().err
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    junk = run(tmp_path / "junk.pt", "--max-new-tokens", "3")
+    assert junk.returncode == 1 and b"is not a readable llmscratch checkpoint" in junk.stderr
+    assert b"Traceback" not in junk.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
+    (["--top-p", "0"], r"--top-p must be in \(0, 1\], got 0.0"),
+    (["--temperature", "-1"], r"--temperature must be >= 0 \(0 is greedy\), got -1.0"),
+    (["--top-k", "0"], r"--top-k must be at least 1, got 0"),
+    (["--max-new-tokens", "-5"], r"--max-new-tokens must be >= 0, got -5"),
+    (["--eos-id", "3", "--ignore-eos"], r"--eos-id and --ignore-eos contradict"),
+    (["--dtype", "int8"], r"invalid choice: 'int8'"),
+    (["--device", "toaster"], r"--device 'toaster' is not a device name"),
+    (["--tokenizer", "missing.json"], r"--tokenizer missing.json: no such file"),
+])
+def test_bad_flags_are_named(ours, capsys, argv, message):
+    folder, _, _ = ours
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().main([str(folder), *argv])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bad_content_is_named(ours, hf_gpt2, tmp_path, capsys):
+    folder, model, tokenizer = ours
+    main = load_script().main
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(argv[0]), *map(str, argv[1:])])
+        return str(exit_info.value.code)
+
+    assert "eos_id=99999 is not a token id of this model" in error(folder, "--eos-id", "99999")
+    (tmp_path / "empty").mkdir()
+    assert "holds no model.safetensors or checkpoint.pt" in error(tmp_path / "empty")
+    torch.manual_seed(0)
+    save_hf(GPT(GPTConfig.from_preset("llama-tiny", vocab_size=300, context_length=32)), tmp_path / "llama")
+    assert "pass --tokenizer" in error(tmp_path / "llama")
+    # GPT-2's 50,257-token tokenizer with a model of 320 tokens: not made for each other.
+    tokenizer_file = tmp_path / "gpt2.json"
+    BPETokenizer.gpt2().save(tokenizer_file)
+    assert "the tokenizer has 50,257 tokens but the model only 320" in error(folder, "--tokenizer", tokenizer_file)
+    capsys.readouterr()

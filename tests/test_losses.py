@@ -1,0 +1,129 @@
+"""The chunked linear cross-entropy against F.cross_entropy on the full logits (float64 where exact)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmscratch.losses import linear_cross_entropy
+from llmscratch.model import GPT, GPTConfig
+
+
+def problem(n_rows=30, d=16, vocab=53, seed=0, ignored=()):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_rows, d, generator=generator, dtype=torch.float64)
+    weight = torch.randn(vocab, d, generator=generator, dtype=torch.float64)
+    targets = torch.randint(vocab, (n_rows,), generator=generator)
+    targets[list(ignored)] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), targets
+
+
+def loss_and_grads(fn, hidden, weight, targets):
+    hidden.grad = weight.grad = None
+    loss = fn(hidden, weight, targets)
+    loss.backward()
+    return loss.detach(), hidden.grad.clone(), weight.grad.clone()
+
+
+def reference(hidden, weight, targets):
+    return F.cross_entropy(hidden @ weight.T, targets)
+
+
+# Chunks that divide the rows, that don't, of one row, and larger than all rows.
+@pytest.mark.parametrize("chunk_rows", [1, 7, 10, 30, 64])
+@pytest.mark.parametrize("ignored", [(), (0, 5, 29), tuple(range(1, 30))])
+def test_matches_cross_entropy_of_the_full_logits(chunk_rows, ignored):
+    hidden, weight, targets = problem(ignored=ignored)
+    expected = loss_and_grads(reference, hidden, weight, targets)
+    got = loss_and_grads(lambda h, w, t: linear_cross_entropy(h, w, t, chunk_rows=chunk_rows), hidden, weight, targets)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    if ignored:  # an ignored row gets no gradient at all
+        assert hidden.grad[list(ignored)].abs().max() == 0
+
+
+def test_float32_and_scaled_gradient_output():
+    hidden, weight, targets = problem(seed=1)
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    (3.0 * linear_cross_entropy(h32, w32, targets, chunk_rows=8)).backward()
+    (3.0 * reference(hidden, weight, targets)).backward()
+    torch.testing.assert_close(h32.grad, hidden.grad.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w32.grad, weight.grad.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_all_targets_ignored_gives_nan_like_cross_entropy():
+    hidden, weight, targets = problem(ignored=range(30))
+    assert torch.isnan(reference(hidden, weight, targets))
+    assert torch.isnan(linear_cross_entropy(hidden, weight, targets))
+
+
+def test_gradient_of_one_input_only_and_no_grad():
+    hidden, weight, targets = problem(seed=2)
+    frozen = weight.detach()
+    linear_cross_entropy(hidden, frozen, targets, chunk_rows=4).backward()
+    expected_hidden = hidden.grad.clone()
+    hidden.grad = None
+    reference(hidden, frozen, targets).backward()
+    torch.testing.assert_close(expected_hidden, hidden.grad, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, reference(hidden, weight, targets).detach(), rtol=1e-12, atol=0)
+
+
+def test_bfloat16_autocast_is_close_to_autocast_reference():
+    hidden, weight, targets = problem(n_rows=64, d=32, vocab=97, seed=3)
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss_and_grads(lambda h, w, t: linear_cross_entropy(h, w, t, chunk_rows=16), h32, w32, targets)
+        expected = loss_and_grads(lambda h, w, t: F.cross_entropy((h @ w.T).float(), t), h32, w32, targets)
+    exact = loss_and_grads(reference, hidden, weight, targets)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32  # gradients in the inputs' dtype
+    for g, e, x in zip(got, expected, exact):
+        # bf16 products: both are about as far from the float64 truth; ours no farther than autocast's.
+        ours, theirs = (g.double() - x).abs().max(), (e.double() - x).abs().max()
+        assert ours <= 2 * theirs + 1e-6, (ours, theirs)
+        assert ours <= 0.05 * x.abs().max()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(hidden=torch.zeros(4, 3)), "need hidden"),
+    (dict(targets=torch.zeros(5, dtype=torch.long)), "targets must have shape"),
+    (dict(targets=torch.zeros(4)), "integer class ids"),
+    (dict(chunk_rows=0), "chunk_rows"),
+])
+def test_bad_input_raises_value_error(bad, match):
+    args = dict(hidden=torch.zeros(4, 8), weight=torch.zeros(10, 8), targets=torch.zeros(4, dtype=torch.long))
+    args.update(bad)
+    chunk_rows = args.pop("chunk_rows", None)
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(args["hidden"], args["weight"], args["targets"], chunk_rows=chunk_rows)
+
+
+TINY = {
+    "gpt2": dict(vocab_size=97, context_length=24, d_model=32, n_layers=2, n_heads=4),
+    "llama-untied": dict(vocab_size=89, context_length=24, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                         d_ff=80, norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False,
+                         tie_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_model_loss_with_targets_matches_the_logits_path(kind):
+    """GPT(idx, targets=t) is the explicit logits + cross-entropy, loss and every gradient."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY[kind])).double()
+    idx = torch.randint(model.config.vocab_size, (3, 24))
+    targets = torch.roll(idx, -1, dims=1)
+    targets[:, -1] = -100  # the last position has no next token
+    explicit = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    explicit.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    fused = model(idx, targets=targets)
+    fused.backward()
+    torch.testing.assert_close(fused, explicit, rtol=1e-12, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="targets must have the shape"):
+        model(idx, targets=targets[:, :-1])

@@ -1,0 +1,59 @@
+"""A tiny training setup shared by the training, checkpoint and distributed tests (not a test file).
+
+A 300-token BPE and a two-layer Llama-style model of 32 dimensions: a step takes milliseconds.
+"""
+
+import functools
+
+import numpy as np
+import torch
+
+from llmscratch.assets import read_moby_dick
+from llmscratch.model import GPT, GPTConfig
+from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
+from llmscratch.train import TrainConfig, Trainer
+
+TEXT = read_moby_dick()[:40_000]
+SPLIT = 36_000  # characters: the rest is the validation text
+
+
+@functools.cache
+def tokenizer() -> BPETokenizer:
+    return BPETokenizer.train(TEXT[:SPLIT], 300, special_tokens=[ENDOFTEXT], name="tiny")
+
+
+@functools.cache
+def tokens() -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) token arrays, read-only so that no test changes them for another."""
+    train = np.array(tokenizer().encode(TEXT[:SPLIT]), dtype=np.uint16)
+    val = np.array(tokenizer().encode(TEXT[SPLIT:]), dtype=np.uint16)
+    train.flags.writeable = val.flags.writeable = False
+    return train, val
+
+
+def model_config(**overrides) -> GPTConfig:
+    fields = dict(vocab_size=320, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                  norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
+    return GPTConfig(**{**fields, **overrides})
+
+
+def train_config(**overrides) -> TrainConfig:
+    # Evaluation, samples and checkpoints only at the end unless a test asks; a fixed MFU peak
+    # so that no test measures (and caches) this machine's matmul speed.
+    fields = dict(max_steps=8, batch_size=4, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=1000,
+                  eval_tokens=256, final_eval_tokens=512, checkpoint_interval=1000, sample_interval=1000,
+                  sample_tokens=8, log_interval=1000, seed=0, peak_tflops=1.0)
+    return TrainConfig(**{**fields, **overrides})
+
+
+def make_trainer(out_dir, model_overrides: dict | None = None, dist_info=None, **train_overrides) -> Trainer:
+    """A Trainer on the tiny data; the same seed gives the same initial weights every time."""
+    torch.manual_seed(0)
+    model = GPT(model_config(**(model_overrides or {})))
+    train, val = tokens()
+    extra = {} if dist_info is None else {"dist_info": dist_info}
+    return Trainer(model, train_config(**train_overrides), train, val, out_dir, tokenizer(), **extra)
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [record["loss"] for record in trainer.history]
