@@ -15,6 +15,8 @@ import sys
 import tempfile
 
 import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
@@ -51,9 +53,50 @@ def bytes_read_per_token(model: GPT, prompt_tokens: int, new_tokens: int) -> flo
     return weights + cache
 
 
-def read_bandwidth(tensor: torch.Tensor) -> float:
-    """Bytes per second of a full read of tensor (a reduction: one pass, nothing written)."""
-    return tensor.numel() * tensor.element_size() / time_once(tensor.sum)
+def read_bandwidth(tensor: torch.Tensor, reads: int = 3) -> float:
+    """Bytes per second of the fastest of a few full reads of tensor (a sum: one pass, nothing written).
+
+    The fastest, because bandwidth is a ceiling: a slower read was disturbed by something else.
+    """
+    return tensor.numel() * tensor.element_size() / min(time_once(tensor.sum) for _ in range(reads))
+
+
+def matrix_vector_kernels(model: GPT, rounds: int = 5) -> dict[str, float]:
+    """Decoding steps/s of the model's matrix-vector products alone, by kernel, and the read floor.
+
+    One step = every weight matrix (and the output head) times one activation vector: the part
+    of a decoding step that reads the weights. Interleaved rounds, medians.
+    """
+    fp32 = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]  # head included
+    bf16 = [w.bfloat16() for w in fp32]
+    inputs32 = [torch.randn(1, w.size(1)) for w in fp32]
+    inputs16 = [x.bfloat16() for x in inputs32]
+    kernels = {
+        "fp32 F.linear": lambda: [F.linear(x, w) for x, w in zip(inputs32, fp32)],
+        "bf16 F.linear": lambda: [F.linear(x, w) for x, w in zip(inputs16, bf16)],
+    }
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        # oneDNN with weights reordered once into its blocked layout: what torch.compile's CPU
+        # backend does with frozen weights (torch._inductor.config.freezing).
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in bf16]
+        kernels["bf16 oneDNN, prepacked"] = lambda: [
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for x, w in zip(inputs16, packed)]
+    reader = torch.ones(sum(w.numel() for w in fp32))
+    times = {name: [] for name in kernels}
+    floors = []
+    for _ in range(rounds):
+        floors.append(read_bandwidth(reader) / (reader.numel() * 4))
+        for name, kernel in kernels.items():
+            times[name].append(time_once(kernel))
+    rates = {name: 1 / median(runs) for name, runs in times.items()}
+    return {"floor fp32": median(floors), "floor bf16": 2 * median(floors), **rates}
+
+
+def print_profile(model: GPT, idx: torch.Tensor, new_tokens: int) -> None:
+    """torch.profiler's top operators over one cached greedy call."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        generate(model, idx, new_tokens)
+    print(f"```\n{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=12)}\n```\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +107,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length, batch 1 (default 32)")
     parser.add_argument("--new-tokens", type=int, default=200, help="tokens generated per call (default 200)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's top operators of one cached fp32 and one bf16 call")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
@@ -129,6 +174,20 @@ def main() -> None:
     agree = {name: int((outputs[name][0] == expected[0]).long().cumprod(0).sum()) - args.prompt_tokens
              for name in ("cache-bf16", "transformers-bf16")}
     report(args, times, bandwidths, fp32_bytes, bf16_bytes, agree)
+    kernel_rates = matrix_vector_kernels(ours)
+    print("\nWhere a bf16 step's time goes: the matrix-vector products alone (every weight matrix and the "
+          "head times one vector), in decoding steps/s, medians of 5 interleaved rounds, against the "
+          "read floor of the same bytes:\n")
+    print("| matrix-vector products of one step | steps/s | share of its memory floor |")
+    print("|---|---|---|")
+    for name, rate in kernel_rates.items():
+        if not name.startswith("floor"):
+            floor = kernel_rates["floor bf16" if name.startswith("bf16") else "floor fp32"]
+            print(f"| {name} | {rate:.1f} | {rate / floor:.0%} |")
+    if args.profile:
+        for model in (ours, ours_bf16):
+            print(f"torch.profiler, one cached call in {model.lm_head.weight.dtype}:\n")
+            print_profile(model, idx, args.new_tokens)
 
 
 def report(args, times, bandwidths, fp32_bytes, bf16_bytes, agree) -> None:
@@ -142,10 +201,10 @@ def report(args, times, bandwidths, fp32_bytes, bf16_bytes, agree) -> None:
           f"prompt, {args.new_tokens} new tokens, greedy. Tokens/s = new tokens / wall time of the whole call, "
           f"prefill included; medians of interleaved rounds after a warm-up. The fp32 candidates produce "
           f"identical tokens (asserted); the bf16 ones follow transformers' fp32 tokens for their first "
-          f"{agree['cache-bf16']} (ours) and {agree['transformers-bf16']} (transformers) new tokens, then "
-          f"rounding picks a different near-tie.\n")
-    print(f"Read bandwidth (sum over a {fp32_bytes / 1e6:.0f} MB fp32 tensor, median of {len(bandwidths)}, "
-          f"one per round): {bandwidth / 1e9:.1f} GB/s. Bytes read per decoding step: {fp32_bytes / 1e6:.0f} MB "
+          f"{agree['cache-bf16']} (ours) and {agree['transformers-bf16']} (transformers) new tokens: random "
+          f"weights leave near-ties everywhere, and bf16 rounding soon picks another token.\n")
+    print(f"Read bandwidth (the fastest of 3 sums over a {fp32_bytes / 1e6:.0f} MB fp32 tensor, each round; "
+          f"median of {len(bandwidths)} rounds): {bandwidth / 1e9:.1f} GB/s. Bytes read per decoding step: {fp32_bytes / 1e6:.0f} MB "
           f"in fp32, {bf16_bytes / 1e6:.0f} MB in bf16 (every weight once, the tied embedding once, plus the "
           f"KV cache at its mean length). Memory floor: {floor['fp32']:.1f} tokens/s in fp32, "
           f"{floor['bf16']:.1f} in bf16.\n")

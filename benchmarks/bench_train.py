@@ -108,9 +108,9 @@ def make_step(peer: str, model: torch.nn.Module, dtype: torch.dtype, compiled: b
     return step
 
 
-def measure(shape: Shape, mode: str, args) -> dict:
+def measure(name: str, mode: str, args) -> dict:
     """Interleaved timings (and peak memory) of both peers for one configuration and mode."""
-    dtype, compiled = MODES[mode]
+    shape, (dtype, compiled) = SHAPES[name], MODES[mode]
     generator = torch.Generator().manual_seed(args.seed)
     batch = args.batch_size or shape.batch_size
     inputs = torch.randint(shape.vocab_size, (batch, shape.context_length), generator=generator)
@@ -125,7 +125,7 @@ def measure(shape: Shape, mode: str, args) -> dict:
             steps[peer]()
     seconds = {peer: [] for peer in PEERS}
     losses = {}
-    for _ in tqdm(range(args.runs), desc=f"{args.config_name} {mode}", leave=False):
+    for _ in tqdm(range(args.runs), desc=f"{name} {mode}", leave=False):
         for peer in PEERS:
             seconds[peer].append(time_once(lambda: losses.__setitem__(peer, steps[peer]())))
     for peer, loss in losses.items():
@@ -178,9 +178,8 @@ def main() -> None:
     ceilings = {dtype: measure_matmul_flops(dtype) for dtype in (torch.float32, torch.bfloat16)}
     results = {}
     for name in args.configs:
-        args.config_name = name
         for mode in args.modes:
-            results[name, mode] = measure(SHAPES[name], mode, args)
+            results[name, mode] = measure(name, mode, args)
     print_section(results, ceilings, args, load_before, load_average())
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscratch import distributed
+from llmscratch.losses import IGNORE_INDEX
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype):
@@ -56,8 +57,9 @@ def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, ba
     The first ``max_tokens`` tokens (all by default) are cut into windows of the model's
     context length, and every token of a window but the first is predicted once. With several
     processes each evaluates every world_size-th window and the sums are added up, so every
-    process gets the same numbers. ``model`` must not be DDP-wrapped (its forward would talk to
-    the other processes, which evaluate different windows).
+    process gets the same numbers. ``model`` is a ``GPT`` (compiled or not) and computes the loss
+    itself (``model(inputs, targets=...)``); it must not be DDP-wrapped (its forward would talk
+    to the other processes, which evaluate different windows).
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("evaluate the model inside DistributedDataParallel, not the wrapper")
@@ -74,14 +76,19 @@ def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, ba
     mine = range(dist_info.rank, n_windows, dist_info.world_size)
     for first in range(0, len(mine), batch_size):
         starts = [s * context for s in mine[first : first + batch_size]]
+        n_real = len(starts)
+        # A short last batch is padded with copies of its last window (and their loss dropped):
+        # one shape for every batch, so a compiled model is not compiled again for the remainder.
+        starts += starts[-1:] * (batch_size - n_real)
         windows = np.stack([tokens[s : s + context + 1] for s in starts])  # (B, T + 1)
         windows = torch.from_numpy(windows.astype(np.int64)).to(device)
-        inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
+        inputs, targets = windows[:, :-1], windows[:, 1:].clone()  # (B, T) each
+        n_bytes += token_bytes[targets[:n_real].cpu()].sum().item()
+        targets[n_real:] = IGNORE_INDEX  # the padding rows do not count
         with autocast(device, dtype):
-            logits = model(inputs)  # (B, T, V)
-        nats += next_token_loss(logits, targets, reduction="sum").item()
-        count += targets.numel()
-        n_bytes += token_bytes[targets.cpu()].sum().item()
+            mean = model(inputs, targets=targets)  # () mean over the real rows; no (B, T, V) logits kept
+        nats += mean.item() * n_real * context
+        count += n_real * context
     model.train(was_training)
     # float64 keeps the sums exact enough; on CUDA the tensor must live on the GPU for NCCL.
     totals = torch.tensor([nats, count, n_bytes], dtype=torch.float64,

@@ -21,7 +21,7 @@ from llmscratch import distributed
 from llmscratch.checkpoint import (check_model_config, load_checkpoint, load_model_state, rng_state,
                                    save_checkpoint, set_rng_state)
 from llmscratch.data import RandomWindowBatches
-from llmscratch.evaluation import autocast, evaluate, next_token_loss, token_byte_lengths
+from llmscratch.evaluation import autocast, evaluate, token_byte_lengths
 from llmscratch.flops import peak_flops
 from llmscratch.generate import generate
 from llmscratch.model import GPT
@@ -182,8 +182,8 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not self.dist.enabled else self.model.no_sync()
             with sync:
                 with autocast(self.device, config.torch_dtype):
-                    logits = self.model(inputs)  # (B, T, V)
-                loss = next_token_loss(logits, targets) / config.grad_accum
+                    # The model's own loss path: the (B, T, V) logits are never stored (llmscratch.losses).
+                    loss = self.model(inputs, targets=targets) / config.grad_accum  # mean over B * T
                 self.scaler.scale(loss).backward()
             total_loss += loss.detach()
         self.scaler.unscale_(self.optimizer)

@@ -5,18 +5,17 @@ A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards l
 the tensor, on anything missing, unexpected or mis-shaped; ``save_hf`` writes the reverse.
 """
 
-import contextlib
 import json
 import os
-import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from llmscratch.checkpoint import _write_atomically
 from llmscratch.model import GPT, GPTConfig
 
 # HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
@@ -247,10 +246,9 @@ def save_hf(model: GPT, path: str | os.PathLike) -> None:
     hf_config = config_to_hf(model.config)
     hf_config["torch_dtype"] = str(model.token_embedding.weight.dtype).removeprefix("torch.")
     tensors = ours_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
-    with _replacing(folder / "model.safetensors") as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-    with _replacing(folder / "config.json") as tmp:
-        tmp.write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    _write_atomically(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    text = json.dumps(hf_config, indent=2) + "\n"
+    _write_atomically(folder / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _read_json(path: Path) -> dict:
@@ -261,18 +259,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(content, dict):
         raise ValueError(f"{path} should hold a JSON object, got {type(content).__name__}")
     return content
-
-
-@contextlib.contextmanager
-def _replacing(target: Path) -> Iterator[Path]:
-    """A temporary path beside target to write; renamed over target only if the write succeeds."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, target)  # atomic on POSIX: readers see the old file or the new one
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 GPT2_HUB_NAMES = {"gpt2-small": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",

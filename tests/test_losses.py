@@ -55,6 +55,7 @@ def test_all_targets_ignored_gives_nan_like_cross_entropy():
     hidden, weight, targets = problem(ignored=range(30))
     assert torch.isnan(reference(hidden, weight, targets))
     assert torch.isnan(linear_cross_entropy(hidden, weight, targets))
+    assert torch.isnan(linear_cross_entropy(hidden[:0], weight, targets[:0]))  # no rows at all
 
 
 def test_gradient_of_one_input_only_and_no_grad():

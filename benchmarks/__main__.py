@@ -1,0 +1,83 @@
+"""Run the benchmark suite and rewrite its numbers in benchmarks/RESULTS.md.
+
+    python -m benchmarks                      # every benchmark, then RESULTS.md is updated
+    python -m benchmarks train generate       # only these
+    python -m benchmarks --dry-run train      # print the sections, leave RESULTS.md alone
+
+Each benchmark prints a Markdown section on stdout (progress bars go to stderr). In RESULTS.md a
+benchmark's generated section sits between ``<!-- benchmark:NAME -->`` and
+``<!-- /benchmark:NAME -->``; only that part is replaced, so the analysis written around it stays.
+A benchmark without markers yet gets them, with its section, at the end of the file.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import today
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+BENCHMARKS = {  # name: the command, run from the repository root
+    "tokenizer": ["-m", "benchmarks.bench_tokenizer"],
+    "attention": ["ch02-attention/attention_bench.py"],
+    "generate": ["-m", "benchmarks.bench_generate"],
+    "train": ["-m", "benchmarks.bench_train"],
+}
+
+
+def run(name: str) -> str:
+    """The benchmark's stdout; stderr (progress) passes through. Exits on failure."""
+    command = [sys.executable, *BENCHMARKS[name]]
+    shown = " ".join(["python", *BENCHMARKS[name]])
+    print(f"== {name}: {shown}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        sys.exit(f"error: benchmark {name!r} failed (exit status {done.returncode}); RESULTS.md left as it was")
+    print(f"== {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    output = done.stdout.strip()
+    if not output.startswith("#"):  # a script that prints no heading of its own
+        output = f"Command: `{shown}`, run by `python -m benchmarks` on {today()}\n\n{output}"
+    return output
+
+
+def replace_section(text: str, name: str, section: str) -> str:
+    """text with the generated section of ``name`` replaced (or appended with its markers)."""
+    begin, end = f"<!-- benchmark:{name} -->", f"<!-- /benchmark:{name} -->"
+    block = f"{begin}\n{section}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        return pattern.sub(lambda _: block, text, count=1)
+    return f"{text.rstrip()}\n\n{block}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks to run, among {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument("--dry-run", action="store_true", help="print the sections instead of writing RESULTS.md")
+    args = parser.parse_args()
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose among {list(BENCHMARKS)}")
+    sections = {name: run(name) for name in args.names or BENCHMARKS}
+    if args.dry_run:
+        print("\n\n".join(sections.values()))
+        return
+    text = RESULTS.read_text(encoding="utf-8")
+    for name, section in sections.items():
+        text = replace_section(text, name, section)
+    tmp = RESULTS.with_suffix(".md.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, RESULTS)
+    print(f"updated {RESULTS.relative_to(ROOT)}: {', '.join(sections)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""DistributedDataParallel on CPU (gloo): two processes train exactly as one process with their joint batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmscratch.checkpoint import load_checkpoint
+from llmscratch.data import RandomWindowBatches
+from llmscratch.distributed import DistInfo, resolve_device
+from tiny_training import TEXT, losses, make_trainer, tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+# A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
+SETTINGS = dict(batch_size=2, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,
+                checkpoint_interval=3, eval_tokens=128, final_eval_tokens=400)
+STEPS = 6
+
+
+def ddp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """3 steps, a checkpoint, a resume in new Trainers, 3 more steps; rank 0 writes what it saw."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    info = DistInfo(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
+    try:
+        first = make_trainer(out_dir, dist_info=info, max_steps=STEPS // 2, **SETTINGS)
+        first.fit(progress=False)
+        second = make_trainer(out_dir, dist_info=info, max_steps=STEPS, **SETTINGS)
+        second.fit(resume=True, progress=False)
+        result = {"losses": losses(first) + losses(second), "val": second.evaluate(400),
+                  "state": second.raw_model.state_dict(), "peak_flops_all": second.peak_flops_all,
+                  "tokens_per_step": second.tokens_per_step}
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+class JointBatches:
+    """What the two processes see together: rank 0's micro-batch, then rank 1's, as one batch."""
+
+    def __init__(self, train: np.ndarray):
+        self.streams = [RandomWindowBatches(train, 2, 16, seed=0, rank=r, world_size=2) for r in range(2)]
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [next(stream) for stream in self.streams]  # (2, 16) inputs and targets each
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
+
+
+def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    mp.spawn(ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "run")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / "run" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    single = make_trainer(tmp_path / "single", max_steps=STEPS, **{**SETTINGS, "batch_size": 4})
+    single.batches = JointBatches(tokens()[0])
+    single_losses = [single.train_step()[0] for _ in range(STEPS)]
+    reference = single.raw_model.state_dict()
+
+    for result in ranks:  # both processes hold the same weights, those of the single process
+        assert result["state"].keys() == reference.keys()
+        for name, tensor in reference.items():
+            torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-5, msg=name)
+        # The logged loss is the mean over both processes: the loss of the joint batch.
+        assert result["losses"] == pytest.approx(single_losses, abs=1e-5)
+        # Evaluation: each process takes every other window; the sums are added up.
+        single_val = single.evaluate(400)
+        assert result["val"] == pytest.approx(single_val, rel=1e-6)
+        # Throughput and MFU count both processes.
+        assert result["tokens_per_step"] == 2 * 2 * 2 * 16
+        assert result["peak_flops_all"] == 2 * 1e12
+    state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert state["step"] == STEPS and len(state["batches"]) == len(state["rng"]) == 2
+    assert [b["rank"] for b in state["batches"]] == [0, 1]
+
+
+def test_torchrun_runs_the_pretraining_script_unchanged(tmp_path):
+    """The script under torchrun with 2 CPU processes, then resumed under torchrun to more steps."""
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "ch04-pretraining" / "pretrain.py"), "--data", str(tmp_path / "text.txt"),
+               "--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--batch-size", "2",
+               "--out-dir", str(tmp_path / "run"), "--eval-tokens", "128", "--final-eval-tokens", "256",
+               "--peak-tflops", "1", "--no-progress", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([*command, "--max-steps", "3"], capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "2 process(es) on cpu" in first.stdout
+    assert first.stdout.count("done in") == 1  # only rank 0 reports
+    second = subprocess.run([*command, "--max-steps", "5", "--resume"], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["tokens_seen"] == 5 * 2 * 2 * 16
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    assert len(load_checkpoint(tmp_path / "run" / "checkpoint.pt")["batches"]) == 2
+
+
+def test_device_names_are_checked():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="not a device name"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError, match="cuda:99"):
+        resolve_device("cuda:99")
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_device("meta")

@@ -1,0 +1,174 @@
+"""ch04-pretraining/pretrain.py: a tiny run end to end, SIGKILL then --resume, and its bad-input errors."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.data import prepare_token_files
+from llmscratch.tokenizer import BPETokenizer
+from tiny_training import TEXT
+
+SCRIPT = Path(__file__).resolve().parents[1] / "ch04-pretraining" / "pretrain.py"
+_spec = importlib.util.spec_from_file_location("pretrain", SCRIPT)
+pretrain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pretrain)
+
+TINY = ["--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--batch-size", "2",
+        "--eval-tokens", "128", "--final-eval-tokens", "256", "--peak-tflops", "1", "--no-progress"]
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "4", *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "done in" in printed and "bits per byte" in printed
+    for name in ("checkpoint.pt", "model.safetensors", "tokenizer.json", "run.json", "metrics.jsonl", "loss.png",
+                 "summary.json", "sample.txt"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and 0 < summary["val_bits_per_byte"] < 10
+    assert (out / "sample.txt").read_text().startswith("Call me")
+    # The export is what finetuning starts from: the weights, their config and the tokenizer.
+    exported = model_from_checkpoint(out / "model.safetensors")
+    trained = model_from_checkpoint(out / "checkpoint.pt")
+    for a, b in zip(exported.parameters(), trained.parameters()):
+        assert torch.equal(a, b)
+    assert tokenizer_from_checkpoint(out / "model.safetensors").to_json() == BPETokenizer.load(
+        out / "tokenizer.json").to_json()
+    # --resume needs no other flags: the run's own are read back; a larger --max-steps extends it.
+    assert pretrain.main(["--out-dir", str(out), "--resume", "--max-steps", "6"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert json.loads((out / "run.json").read_text())["max_steps"] == 6
+    # A finished run is not silently overwritten.
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.main(["--data", str(text_file), "--out-dir", str(out), *TINY])
+    assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
+    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--overwrite",
+                          *TINY]) == 0
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_file):
+    """Bitwise on CPU in float32: the same per-step losses as a run that was never interrupted."""
+    def command(out_dir, *extra):
+        return [sys.executable, str(SCRIPT), "--data", str(text_file), "--out-dir", str(out_dir), "--max-steps",
+                "300", "--checkpoint-interval", "5", "--eval-interval", "1000", "--sample-interval", "1000",
+                *TINY, *extra]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: the same float sums
+    run = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    while run.poll() is None and (not metrics.is_file() or metrics.read_text().count("\n") < 7):
+        time.sleep(0.05)
+    assert run.poll() is None, f"the run ended before it could be killed: {run.stderr.read()}"
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    killed_at = metrics.read_text().count("\n")
+    assert 7 <= killed_at < 300 and load_checkpoint(tmp_path / "killed" / "checkpoint.pt")["step"] >= 5
+
+    resumed = subprocess.run(command(tmp_path / "killed", "--resume"), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted = subprocess.run(command(tmp_path / "straight"), env=env, capture_output=True, text=True)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+
+    def losses(folder):
+        return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses(tmp_path / "straight")) == 300
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")  # exact float equality
+    assert (json.loads((tmp_path / "killed" / "summary.json").read_text())["val_loss"]
+            == json.loads((tmp_path / "straight" / "summary.json").read_text())["val_loss"])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file or folder"),
+    (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
+    (["--batch-size", "-2"], "--batch-size must be a positive integer, got -2"),
+    (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1, got 1.5"),
+    (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["--preset", "gpt5"], "argument --preset: invalid choice: 'gpt5'"),
+    (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
+    (["--device", "cuda:99"], "--device: device 'cuda:99'"),
+    (["--device", "toaster"], "--device: device 'toaster' is not a device name"),
+    (["--tokenizer", "bpe:10"], "--tokenizer bpe:10: expected bpe:N with N >= 257"),
+    (["--tokenizer", "missing.json"], "--tokenizer missing.json: not bpe:N, gpt2, or an existing tokenizer JSON"),
+    (["--context-length", "1"], "--context-length must be at least 2, got 1"),
+    (["--time-budget", "0"], "--time-budget and --peak-tflops must be positive"),
+])
+def test_bad_flags_stop_before_training_with_a_clear_message(tmp_path, text_file, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.main(["--data", str(text_file), "--out-dir", str(tmp_path / "run"), *TINY, *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_bad_paths_and_data_stop_before_training(tmp_path, text_file, capsys):
+    def fails(flags, message, code=2):
+        try:
+            result = pretrain.main(flags)
+        except SystemExit as exit_info:
+            result = exit_info.code
+        assert result == code
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+    run = ["--out-dir", str(tmp_path / "run"), *TINY]
+    fails(["--resume", *run], "holds no run to resume")
+    (tmp_path / "file").write_text("x")
+    fails(["--data", str(text_file), "--out-dir", str(tmp_path / "file")], "is a file, not a folder")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1") * 100)
+    fails(["--data", str(tmp_path / "latin1.txt"), *run], "is not UTF-8 text")
+    (tmp_path / "short.txt").write_text("Call me Ishmael. " * 20)
+    fails(["--data", str(tmp_path / "short.txt"), *run, "--context-length", "64"],
+          "the validation split has")
+    fails(["--data", str(text_file), *run, "--dropout", "1.0"], "dropout must be in [0, 1)")
+    # A folder of token files: its tokenizer must be named when it is not GPT-2's, and must match.
+    tokenizer = BPETokenizer.train(TEXT, 300, special_tokens=["<|endoftext|>"])
+    prepare_token_files(text_file, tmp_path / "tokens", tokenizer)
+    fails(["--data", str(tmp_path / "tokens"), *run[:2]], "pass its JSON file with --tokenizer")
+    BPETokenizer.train(TEXT, 400).save(tmp_path / "other.json")
+    fails(["--data", str(tmp_path / "tokens"), *run[:2], "--tokenizer", str(tmp_path / "other.json")],
+          "--tokenizer has 400 tokens, but")
+    fails(["--data", str(tmp_path / "tokens"), str(text_file), *run], "one token folder alone")
+
+
+def test_a_token_folder_trains(tmp_path, capsys):
+    tokenizer = BPETokenizer.train(TEXT, 300, special_tokens=["<|endoftext|>"])
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    prepare_token_files(tmp_path / "text.txt", tmp_path / "tokens", tokenizer)
+    tokenizer.save(tmp_path / "tok.json")
+    flags = [f for f in TINY if f not in ("--tokenizer", "bpe:300")]
+    assert pretrain.main(["--data", str(tmp_path / "tokens"), "--tokenizer", str(tmp_path / "tok.json"),
+                          "--out-dir", str(tmp_path / "run"), "--max-steps", "2", *flags]) == 0
+    assert "train and" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    shown = capsys.readouterr().out
+    for action in pretrain.build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in shown
+        assert action.help, action.option_strings
