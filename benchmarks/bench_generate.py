@@ -186,7 +186,7 @@ def main() -> None:
             print(f"| {name} | {rate:.1f} | {rate / floor:.0%} |")
     if args.profile:
         for model in (ours, ours_bf16):
-            print(f"torch.profiler, one cached call in {model.lm_head.weight.dtype}:\n")
+            print(f"\ntorch.profiler, one cached call in {model.lm_head.weight.dtype}:\n")
             print_profile(model, idx, args.new_tokens)
 
 

@@ -62,6 +62,7 @@ MODES = {  # name: (autocast dtype, torch.compile)
     "bf16-compiled": (torch.bfloat16, True),
 }
 PEERS = ("llmscratch", "transformers")
+CEILING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build(peer: str, shape: Shape, vocab_size: int, seed: int) -> torch.nn.Module:
@@ -124,16 +125,20 @@ def measure(name: str, mode: str, args) -> dict:
         for _ in range(args.warmup - 1):
             steps[peer]()
     seconds = {peer: [] for peer in PEERS}
+    ceilings = {precision: [] for precision in CEILING_DTYPES}
     losses = {}
     for _ in tqdm(range(args.runs), desc=f"{name} {mode}", leave=False):
         for peer in PEERS:
             seconds[peer].append(time_once(lambda: losses.__setitem__(peer, steps[peer]())))
+        for precision, ceiling_dtype in CEILING_DTYPES.items():  # the ceiling under the same load
+            ceilings[precision].append(measure_matmul_flops(ceiling_dtype, max_seconds=1.0))
     for peer, loss in losses.items():
         if not math.isfinite(loss):
             raise SystemExit(f"error: {peer} gave a non-finite loss {loss} in {mode}")
     tokens = batch * shape.context_length
     result = {"tokens_per_s": {p: tokens / median(seconds[p]) for p in PEERS},
-              "first_s": first, "runs": args.runs, "batch": batch}
+              "ceiling": {precision: median(values) for precision, values in ceilings.items()},
+              "first_s": first, "batch": batch}
     if not args.no_memory:
         result["peak_mib"] = {p: peak_memory_bytes(steps[p]) / 2**20 for p in PEERS}
     del steps
@@ -175,25 +180,23 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     transformers.utils.logging.set_verbosity_error()
     load_before = load_average()
-    ceilings = {dtype: measure_matmul_flops(dtype) for dtype in (torch.float32, torch.bfloat16)}
     results = {}
     for name in args.configs:
         for mode in args.modes:
             results[name, mode] = measure(name, mode, args)
-    print_section(results, ceilings, args, load_before, load_average())
+    print_section(results, args, load_before, load_average())
 
 
-def print_section(results: dict, ceilings: dict, args, load_before: str, load_after: str) -> None:
-    bf16_ceiling = ceilings[torch.bfloat16]
+def print_section(results: dict, args, load_before: str, load_after: str) -> None:
     print(f"### Training throughput ({today()})\n")
     print(f"Command: `{' '.join(['python -m benchmarks.bench_train', *sys.argv[1:]])}`  ")
     print(f"Machine: {machine_description()}  ")
     print(f"Load average (1, 5, 15 min) before: {load_before}; after: {load_after}  ")
-    print(f"Matmul ceilings measured in this run (1536² products, best of 8): "
-          f"fp32 {ceilings[torch.float32] / 1e9:,.0f} GFLOP/s, bf16 {bf16_ceiling / 1e9:,.0f} GFLOP/s  ")
-    print(f"transformers {transformers.__version__} `GPT2LMHeadModel` (SDPA) vs llmscratch `GPT`; "
-          f"AdamW from `configure_optimizer` for both; {args.runs} interleaved timed steps per peer "
-          f"after {args.warmup} warm-up step(s), medians.\n")
+    print(f"transformers {transformers.__version__} `GPT2LMHeadModel` (SDPA) vs llmscratch `GPT`, "
+          f"{'`GPT(idx, targets=...)`' if args.loss == 'targets' else 'full logits + `F.cross_entropy`'}; "
+          f"AdamW from `configure_optimizer` for both; {args.runs} interleaved timed steps per peer after "
+          f"{args.warmup} warm-up step(s), medians. Each round also measures the fp32 and bf16 matmul "
+          f"ceilings (1536² products, best of a few), whose medians the MFU columns divide by.\n")
     for name in args.configs:
         shape = SHAPES[name]
         fpt = flops_per_token(shape)
@@ -203,22 +206,23 @@ def print_section(results: dict, ceilings: dict, args, load_before: str, load_af
         print(f"**{name}**: {shape.n_layers} layers, {shape.n_heads} heads, width {shape.d_model}, context "
               f"{shape.context_length}, vocabulary {shape.vocab_size:,}{padded}, batch {batch}; "
               f"{fpt / 1e6:,.0f} MFLOP per token for training.\n")
-        print("| mode | llmscratch tokens/s | transformers tokens/s | ratio | llmscratch MFU | transformers MFU "
-              "| llmscratch share of bf16 ceiling | peak MiB llmscratch | peak MiB transformers | first step s |")
+        print("| mode | llmscratch tokens/s | transformers tokens/s | ratio | ceiling fp32 / bf16 GFLOP/s "
+              "| llmscratch MFU | transformers MFU | llmscratch share of bf16 ceiling "
+              "| peak MiB llmscratch / transformers | first step s |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mode in args.modes:
             r = results[name, mode]
             ours, theirs = r["tokens_per_s"]["llmscratch"], r["tokens_per_s"]["transformers"]
-            ceiling = ceilings[MODES[mode][0]]
-            memory = r.get("peak_mib", {})
-            mem = [f"{memory[p]:,.0f}" if p in memory else "-" for p in PEERS]
+            ceiling = r["ceiling"]["bf16" if MODES[mode][0] == torch.bfloat16 else "fp32"]
+            memory = " / ".join(f"{r['peak_mib'][p]:,.0f}" for p in PEERS) if "peak_mib" in r else "-"
             first = " / ".join(f"{r['first_s'][p]:.1f}" for p in PEERS)
-            print(f"| {mode} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} | {100 * fpt * ours / ceiling:.0f}% "
-                  f"| {100 * fpt * theirs / ceiling:.0f}% | {100 * fpt * ours / bf16_ceiling:.0f}% | {mem[0]} | {mem[1]} "
-                  f"| {first} |")
+            print(f"| {mode} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} "
+                  f"| {r['ceiling']['fp32'] / 1e9:,.0f} / {r['ceiling']['bf16'] / 1e9:,.0f} "
+                  f"| {100 * fpt * ours / ceiling:.0f}% | {100 * fpt * theirs / ceiling:.0f}% "
+                  f"| {100 * fpt * ours / r['ceiling']['bf16']:.0f}% | {memory} | {first} |")
         print()
-    print("MFU: against the fp32 ceiling in fp32 modes, the bf16 ceiling in bf16 modes. "
-          "First step: llmscratch / transformers, compilation included.")
+    print("MFU: model FLOPs per second over the fp32 ceiling in fp32 modes, the bf16 ceiling in bf16 modes. "
+          "First step: llmscratch / transformers, compilation included (not in the medians).")
 
 
 if __name__ == "__main__":

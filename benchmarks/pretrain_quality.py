@@ -1,7 +1,7 @@
 """Pretraining quality on Moby-Dick: our default run against a nanoGPT-style character-level baseline.
 
     python -m benchmarks.pretrain_quality baseline          # nanoGPT's CPU char recipe, rebuilt with our GPT
-    python -m benchmarks.pretrain_quality cost              # step cost of the default run vs the baseline, interleaved
+    python -m benchmarks.pretrain_quality cost              # step cost of pretrain.py's default vs the baseline
 
 The baseline reimplements the shape of nanoGPT's shakespeare_char CPU recipe (4 layers, 4 heads,
 128 wide, context 64, batch 12, lr 1e-3 with 100 warmup steps and cosine decay to 1e-4, AdamW
@@ -12,22 +12,26 @@ is 1,190,317 characters in 1,204,997 bytes, and bits per byte are compared eithe
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks.common import machine_description
 from llmscratch.assets import read_moby_dick
+from llmscratch.evaluation import autocast
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.train import TrainConfig, Trainer
 
 BASELINE_MODEL = dict(vocab_size=256, context_length=64, d_model=128, n_layers=4, n_heads=4, bias=False,
                       qkv_bias=False)
+NANOGPT_SECONDS_PER_ITERATION = 540 / 18_000  # issue 5: nanoGPT's recipe, 18,000 iterations in 9 minutes
 BASELINE_TRAIN = dict(batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99, weight_decay=0.1,
                       grad_clip=1.0)
 
@@ -56,29 +60,53 @@ def baseline(steps: int) -> dict:
     return summary
 
 
+def script_defaults() -> argparse.Namespace:
+    """The flags ``ch04-pretraining/pretrain.py`` runs with when given none."""
+    path = Path(__file__).resolve().parents[1] / "ch04-pretraining" / "pretrain.py"
+    spec = importlib.util.spec_from_file_location("pretrain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser().parse_args([])
+
+
 def step_cost(rounds: int) -> dict:
-    """Median seconds per optimizer step of the default run and of the baseline, interleaved."""
+    """Median seconds per optimizer step of the default run and of the baseline, interleaved.
+
+    Also the default run's length in baseline iterations, and so in minutes on the machine where
+    nanoGPT's recipe ran 18,000 iterations in 9 minutes (the figure of issue 5).
+    """
+    flags = script_defaults()
+    vocab_size = int(flags.tokenizer.removeprefix("bpe:"))
+    overrides = {} if flags.context_length is None else {"context_length": flags.context_length}
+    default = GPTConfig.from_preset(flags.preset, vocab_size=vocab_size, **overrides)
+    baseline_config = GPTConfig(**BASELINE_MODEL)
     torch.manual_seed(0)
-    llama = GPTConfig.from_preset("llama-mini", vocab_size=4096)
-    setups = {"default (llama-mini, 16 x 256 tokens)": (GPT(llama), 16, llama),
-              "baseline (char recipe, 12 x 64 bytes)": (GPT(GPTConfig(**BASELINE_MODEL)), 12,
-                                                         GPTConfig(**BASELINE_MODEL))}
-    times = {name: {"wall": [], "cpu": []} for name in setups}
+    batch = flags.batch_size * flags.grad_accum
+    setups = {"default": (GPT(default), batch, torch.float32),
+              "default_bfloat16": (GPT(default), batch, torch.bfloat16),  # the same step under bf16 autocast
+              "baseline": (GPT(baseline_config), BASELINE_TRAIN["batch_size"], torch.float32)}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for name, (m, _, _) in setups.items()}
+    times = {name: {"wall": [], "cpu": []} for name in setups}
     for round_index in range(rounds + 1):
-        for name, (model, batch, config) in setups.items():
-            x = torch.randint(config.vocab_size, (batch, config.context_length))
+        for name, (model, batch, dtype) in setups.items():
+            x = torch.randint(model.config.vocab_size, (batch, model.config.context_length))
             wall, cpu = time.perf_counter(), time.process_time()
-            model(x, targets=x).backward()  # the trainer's loss path
+            with autocast("cpu", dtype):
+                loss = model(x, targets=x)  # the trainer's loss path
+            loss.backward()
             optimizers[name].step()
             optimizers[name].zero_grad()
             if round_index:  # the first round warms up
                 times[name]["wall"].append(time.perf_counter() - wall)
                 times[name]["cpu"].append(time.process_time() - cpu)
     result = {name: {kind: statistics.median(values) for kind, values in t.items()} for name, t in times.items()}
-    names = list(setups)
-    result["ratio_wall"] = result[names[0]]["wall"] / result[names[1]]["wall"]
-    result["ratio_cpu"] = result[names[0]]["cpu"] / result[names[1]]["cpu"]
+    result["default_run"] = f"{flags.preset}, {flags.max_steps} steps of {flags.batch_size} x {default.context_length}"
+    for kind in ("wall", "cpu"):
+        result[f"bfloat16_over_float32_{kind}"] = result["default_bfloat16"][kind] / result["default"][kind]
+        ratio = result["default"][kind] / result["baseline"][kind]
+        result[f"step_ratio_{kind}"] = ratio
+        result[f"default_run_in_baseline_iterations_{kind}"] = ratio * flags.max_steps
+        result[f"minutes_at_nanogpt_speed_{kind}"] = ratio * flags.max_steps * NANOGPT_SECONDS_PER_ITERATION / 60
     return result
 
 

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between tokens/s and MFU measurements (default: %(default)s)")
     r.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one device for MFU (default: a table of GPUs, or this CPU measured once)")
+    r.add_argument("--export-dtype", default="float32", choices=sorted(DTYPES),
+                   help="precision of the weights in model.safetensors; bfloat16 halves the file "
+                        "(default: %(default)s)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. for log files)")
     return p
 
@@ -188,7 +191,8 @@ def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
         spec = args.tokenizer
         if spec == "auto":
             if meta["tokenizer"] != "gpt2":
-                raise ValueError(f"{folder} was tokenized with {meta['tokenizer']!r}: pass its JSON file with --tokenizer")
+                raise ValueError(f"{folder} was tokenized with {meta['tokenizer']!r}: "
+                                 f"pass its JSON file with --tokenizer")
             spec = "gpt2"
         tokenizer = build_tokenizer(spec, None)
         if tokenizer.vocab_size != meta["vocab_size"]:
@@ -212,8 +216,9 @@ def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
     train = np.array(tokenizer.encode(train_text, allowed_special="all"), dtype=dtype)
     val = np.array(tokenizer.encode(val_text, allowed_special="all"), dtype=dtype)
     n_bytes = len(text.encode("utf-8"))
+    bytes_per_token = n_bytes / (len(train) + len(val))
     return tokenizer, train, val, (f"{len(args.data)} text file(s), {n_bytes:,} bytes: {len(train):,} train and "
-                                   f"{len(val):,} validation tokens ({n_bytes / (len(train) + len(val)):.2f} bytes/token)")
+                                   f"{len(val):,} validation tokens ({bytes_per_token:.2f} bytes/token)")
 
 
 def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[GPTConfig, TrainConfig]:
@@ -226,7 +231,8 @@ def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.lr / 10 if args.min_lr is None else args.min_lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, eval_interval=args.eval_interval,
-        eval_tokens=args.eval_tokens, final_eval_tokens=args.final_eval_tokens, checkpoint_interval=args.checkpoint_interval,
+        eval_tokens=args.eval_tokens, final_eval_tokens=args.final_eval_tokens,
+        checkpoint_interval=args.checkpoint_interval,
         sample_interval=args.sample_interval, sample_prompt=args.sample_prompt, log_interval=args.log_interval,
         dtype=choose_dtype(device) if args.dtype == "auto" else args.dtype, compile=args.compile,
         seed=args.seed, peak_tflops=args.peak_tflops,
@@ -292,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"\ninterrupted at step {trainer.step}; continue with --resume --out-dir {args.out_dir}")
         return 130
     if dist.is_main:
-        export_model(trainer.raw_model, args.out_dir / "model.safetensors", tokenizer)
+        export_model(trainer.raw_model, args.out_dir / "model.safetensors", tokenizer, DTYPES[args.export_dtype])
     minutes, seconds = divmod(time.perf_counter() - start, 60)
-    say(f"done in {int(minutes)}m{seconds:02.0f}s: {summary['steps']} steps, {summary['tokens_seen'] / 1e6:.2f}M tokens "
+    say(f"done in {int(minutes)}m{seconds:02.0f}s: {summary['steps']} steps, "
+        f"{summary['tokens_seen'] / 1e6:.2f}M tokens "
         f"| val loss {summary['val_loss']:.3f} nats/token, perplexity {summary['val_perplexity']:.1f}, "
         f"{summary['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: checkpoint.pt, model.safetensors, "
         f"loss.png, metrics.jsonl, summary.json, sample.txt")

@@ -25,7 +25,7 @@ from llmscratch.finetune import (
 )
 from llmscratch.lora import lora_layers, merge_lora, save_adapters
 
-DEFAULTS = FinetuneConfig(epochs=4, batch_size=8, lr=5e-4, trainable="all", last_k=2)
+DEFAULTS = FinetuneConfig(epochs=3, batch_size=8, lr=5e-4, trainable="all", last_k=2)
 EXAMPLE_MESSAGES = ["Hey, are we still meeting for lunch tomorrow?",
                     "WINNER! You have been selected for a 1000 cash prize. Call 09061701461 now to claim."]
 
@@ -55,12 +55,15 @@ def plot(history: list[dict], path: Path) -> None:
     fig = Figure(figsize=(9, 3.5))
     loss_ax, acc_ax = fig.subplots(1, 2)
     trained = [r for r in history if "train_loss" in r]
-    loss_ax.plot([r["epoch"] for r in trained], [r["train_loss"] for r in trained], "o-", label="train")
-    loss_ax.plot([r["epoch"] for r in history], [r["val_loss"] for r in history], "o-", label="validation")
+    loss_ax.plot([r["epoch"] for r in trained], [r["train_loss"] for r in trained], "o-",
+                 label="train (mean over the epoch)")
+    loss_ax.plot([r["epoch"] for r in history], [r["val_loss"] for r in history], "o-",
+                 label="validation (end of the epoch)")
     loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
     acc_ax.plot([r["epoch"] for r in history], [r["val_accuracy"] for r in history], "o-", color="C1")
-    acc_ax.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy", ylim=(0.4, 1.0))
+    acc_ax.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy", ylim=(0.0, 1.02))
     for ax in (loss_ax, acc_ax):
+        ax.set_xticks([r["epoch"] for r in history])  # epoch 0: before finetuning
         ax.grid(alpha=0.3)
     loss_ax.legend()
     fig.tight_layout()

@@ -172,12 +172,18 @@ def _some(items: list[str], shown: int = 8) -> str:
 
 
 # --------------------------------------------------------------------------- model exports
-def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokenizer | None = None) -> None:
-    """Write the weights as safetensors, with the model config and tokenizer in its metadata."""
+def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokenizer | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+    """Write the weights as safetensors, with the model config and tokenizer in its metadata.
+
+    dtype: store the weights in this precision (bfloat16 halves the file); None keeps theirs.
+    ``model_from_checkpoint`` loads them back into a float32 model either way.
+    """
     from safetensors.torch import save_file
 
     raw = unwrap(model)
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in raw.state_dict().items()}
+    tensors = {name: tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+               for name, tensor in raw.state_dict().items()}
     if raw.config.tie_embeddings:
         del tensors["lm_head.weight"]  # the same matrix as the token embedding: stored once
     metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(raw.config.to_dict())}

@@ -8,7 +8,6 @@ functions so each can be shown and tested on its own.
 
 import codecs
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
@@ -92,6 +91,7 @@ def stream(
     pad_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, a LongTensor (B,), for up to max_new_tokens steps.
 
@@ -102,15 +102,20 @@ def stream(
     sequence fits in ``context_length``. Past that point (and always with use_cache=False) each
     step re-runs the model on the last ``context_length`` tokens, a sliding window: slower, but it
     never runs out of context, and both settings choose the same tokens.
+    vocab_size: choose only ids below it (default: any of the model's). For a model whose
+    embedding is padded beyond its tokenizer's vocabulary (to a round size, for speed), pass
+    the tokenizer's size so that no padding id, which decodes to nothing, is ever chosen.
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
     _check_sampling(temperature, top_k, top_p)
     idx = _check_prompt(model, idx)
     pad_id = eos_id if pad_id is None else pad_id
-    _check_request(model.config, max_new_tokens, eos_id, pad_id)
-    choose = functools.partial(sample_next_token, temperature=temperature, top_k=top_k, top_p=top_p,
-                               generator=generator)
+    _check_request(model.config, max_new_tokens, eos_id, pad_id, vocab_size)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
+        return sample_next_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)
+
     return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
 
 
@@ -127,10 +132,13 @@ def _check_prompt(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     return idx.to(model.token_embedding.weight.device)
 
 
-def _check_request(config: GPTConfig, max_new_tokens: int, eos_id: int | None, pad_id: int | None) -> None:
-    """ValueError naming the value if the length or the special ids do not fit this model."""
+def _check_request(config: GPTConfig, max_new_tokens: int, eos_id: int | None, pad_id: int | None,
+                   vocab_size: int | None) -> None:
+    """ValueError naming the value if the length, the special ids or vocab_size do not fit this model."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if vocab_size is not None and not 1 <= vocab_size <= config.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} must be between 1 and the model's {config.vocab_size}")
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
         if value is not None and not 0 <= value < config.vocab_size:
             raise ValueError(f"{name}={value} is not a token id of this model (vocab_size={config.vocab_size})")
@@ -192,6 +200,7 @@ def generate(
     pad_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """The prompts idx (B, T) followed by their continuations: a LongTensor (B, T + n).
 
@@ -199,7 +208,7 @@ def generate(
     n is the step at which the last row finished, and earlier-finished rows are padded with pad_id.
     """
     new_tokens = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
-                             use_cache, generator))
+                             use_cache, generator, vocab_size))
     if not new_tokens:
         return idx.clone()
     # Outside inference_mode: the result is an ordinary tensor, free to be modified in place.
@@ -228,9 +237,11 @@ def ids_to_text(ids: torch.Tensor, tokenizer) -> str:
 def stream_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **options) -> Iterator[str]:
     """Yield the continuation of prompt piece by piece, each piece whole UTF-8 characters.
 
-    Options as for ``stream``; generation stops at eos_id, which is not part of the text.
+    Options as for ``stream``; generation stops at eos_id, which is not part of the text. Only ids
+    the tokenizer knows are chosen (see ``vocab_size``), unless options say otherwise.
     """
     idx = text_to_ids(prompt, tokenizer)
+    options.setdefault("vocab_size", min(tokenizer.n_vocab, model.config.vocab_size))
     # One token may hold half of a multi-byte character: hold bytes back until it is complete.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     eos_id = options.get("eos_id")

@@ -90,7 +90,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 # Left out of torch.compile graphs: the loop is already a few large kernels per chunk, and traced
 # (the loop unrolled, the reused buffers functionalised) a compiled training step of the 6x384
 # benchmark model got 13% slower on CPU and took 3x longer to compile.
-@torch.compiler.disable(reason="a chunked loop of large kernels: faster left eager (measured on CPU)")
+@torch.compiler.disable
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = IGNORE_INDEX, chunk_rows: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits ``hidden @ weight.T`` against ``targets``, chunk by chunk.

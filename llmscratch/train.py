@@ -7,6 +7,7 @@ on a laptop CPU and, launched by ``torchrun``, on many GPUs. The run folder gets
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import time
@@ -33,6 +34,11 @@ __all__ = ["DTYPES", "TrainConfig", "Trainer", "TrainingDiverged", "autocast", "
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_FILE = "checkpoint.pt"
+# DDP need not re-send buffers before each forward: the only ones (RoPE tables) are the same on every
+# process by construction. Newer torch names the option forward_sync_buffers, older broadcast_buffers.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
 
 
 @dataclass
@@ -150,9 +156,8 @@ class Trainer:
         self.model: nn.Module = self.eval_model
         if dist_info.enabled:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            # No buffer broadcast: the only buffers (RoPE tables) are the same everywhere by construction.
             self.model = nn.parallel.DistributedDataParallel(self.eval_model, device_ids=device_ids,
-                                                             broadcast_buffers=False)
+                                                             **_NO_BUFFER_SYNC)
         self.optimizer = configure_optimizer(self.raw_model, config, self.device)
         # fp16 has too few exponent bits for small gradients: scale the loss up, unscale before the step.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.dtype == "float16")
@@ -160,7 +165,8 @@ class Trainer:
                                            seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size)
         self.token_bytes = token_byte_lengths(tokenizer, model.config.vocab_size)
         self.step = 0
-        self.tokens_per_step = config.batch_size * config.grad_accum * model.config.context_length * dist_info.world_size
+        sequences_per_step = config.batch_size * config.grad_accum * dist_info.world_size
+        self.tokens_per_step = sequences_per_step * model.config.context_length
         peak = peak_flops(self.device, config.torch_dtype, config.peak_tflops)
         self.peak_flops_all = None if peak is None else peak * dist_info.world_size  # every process counts
         self.log = RunLog(self.out_dir, enabled=dist_info.is_main)

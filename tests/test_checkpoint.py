@@ -75,7 +75,8 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
                 out.truncate(os.path.getsize(f) // 2)  # half of it is on disk ...
             os.kill(os.getpid(), signal.SIGKILL)  # ... when the process is killed
         torch.save = save_then_die
-        save_checkpoint({str(tmp_path / "c.pt")!r}, {{"model": {{"w": torch.ones(1000)}}, "model_config": {{}}, "step": 2}})
+        state = {{"model": {{"w": torch.ones(1000)}}, "model_config": {{}}, "step": 2}}
+        save_checkpoint({str(tmp_path / "c.pt")!r}, state)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == -9, result.stderr
@@ -86,7 +87,8 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"d_model": 64}, r"different shapes: blocks.0.attn.out_proj.weight: checkpoint \(32, 32\) vs model \(64, 64\), .* and \d+ more"),
+    ({"d_model": 64},
+     r"different shapes: blocks.0.attn.out_proj.weight: checkpoint \(32, 32\) vs model \(64, 64\), .* and \d+ more"),
     ({"n_layers": 3}, r"missing from the checkpoint: blocks\.2\."),
     ({"n_layers": 1}, r"not in the model: blocks\.1\."),
     ({"norm": "layernorm", "mlp": "gelu", "position": "learned", "bias": True, "qkv_bias": True},
@@ -163,3 +165,16 @@ def test_safetensors_export_round_trip(tmp_path, tied):
 
     stored = load_file(tmp_path / "model.safetensors")
     assert ("lm_head.weight" in stored) != tied  # a tied matrix is stored once
+
+
+def test_a_bfloat16_export_is_half_the_size_and_loads_as_float32(tmp_path):
+    model = tiny_model()
+    export_model(model, tmp_path / "fp32.safetensors")
+    export_model(model, tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
+    assert (tmp_path / "bf16.safetensors").stat().st_size < 0.55 * (tmp_path / "fp32.safetensors").stat().st_size
+    loaded = model_from_checkpoint(tmp_path / "bf16.safetensors")
+    for name, tensor in model.state_dict().items():
+        assert loaded.state_dict()[name].dtype == torch.float32
+        assert torch.equal(loaded.state_dict()[name], tensor.bfloat16().float()), name
+    with pytest.raises(ValueError, match="saved without a tokenizer"):
+        tokenizer_from_checkpoint(tmp_path / "bf16.safetensors")

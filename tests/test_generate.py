@@ -376,3 +376,31 @@ def test_stream_text_yields_whole_characters_and_stops_at_eos(gpt2_tokenizer):
     assert generate_text(model, gpt2_tokenizer, "Hello", steps) == TEXT
     eos = gpt2_tokenizer.eot_token
     assert generate_text(model, gpt2_tokenizer, "Hello", steps, eos_id=eos) == TEXT[:TEXT.index("<|")]
+
+
+def test_vocab_size_keeps_padding_ids_out(gpt2_tokenizer):
+    """A model padded beyond its tokenizer (vocabulary rounded up for speed) never emits a padding id."""
+    model = tiny("llama")  # 89 ids; say the tokenizer knows the first 40
+    idx = prompts(4, 3, 40)
+    sampled = generate(model, idx, 30, temperature=3.0, generator=torch.Generator().manual_seed(0), vocab_size=40)
+    assert sampled[:, 3:].max() < 40
+    unrestricted = generate(model, idx, 30, temperature=3.0, generator=torch.Generator().manual_seed(0))
+    assert unrestricted[:, 3:].max() >= 40  # the restriction did something
+    expected = idx
+    with torch.no_grad():
+        for _ in range(10):
+            next_ids = model(expected)[:, -1, :40].argmax(dim=-1, keepdim=True)  # (B, 1)
+            expected = torch.cat([expected, next_ids], dim=1)
+    assert torch.equal(generate(model, idx, 10, vocab_size=40), expected)
+    with pytest.raises(ValueError, match="vocab_size=90 must be between 1 and the model's 89"):
+        generate(model, idx, 3, vocab_size=90)
+    # stream_text restricts to the tokenizer by itself: GPT-2's 50,257 tokens in a model of 50,304.
+    padded = GPT(GPTConfig(**{**TINY["gpt2"], "vocab_size": 50304}))
+    randomize(padded, seed=0, scale=0.3)
+    with torch.no_grad():
+        padded.token_embedding.weight[50257:] = 0.0
+        padded.token_embedding.weight[50257:, 0] = 100.0  # padding rows the head would pick every time
+    text = generate_text(padded, gpt2_tokenizer, "Hello", 5, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert len(text) > len("Hello")
+    with pytest.raises(ValueError, match="out of range"):  # without the restriction: undecodable ids
+        generate_text(padded, gpt2_tokenizer, "Hello", 5, vocab_size=None)
