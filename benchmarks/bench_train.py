@@ -47,13 +47,16 @@ class Shape:
     context_length: int
     vocab_size: int
     batch_size: int  # default; --batch-size overrides
+    runs: int  # interleaved rounds by default; --runs overrides
 
 
 SHAPES = {
     # nanoGPT's small Shakespeare model with GPT-2's vocabulary rounded up to a multiple of 64.
-    "6x384": Shape(d_model=384, n_layers=6, n_heads=6, context_length=256, vocab_size=50304, batch_size=8),
-    # GPT-2 small (124M). Batch 1 by default: a step of batch 8 takes minutes on two CPU cores.
-    "gpt2-small": Shape(d_model=768, n_layers=12, n_heads=12, context_length=1024, vocab_size=50257, batch_size=1),
+    "6x384": Shape(d_model=384, n_layers=6, n_heads=6, context_length=256, vocab_size=50304, batch_size=8,
+                   runs=5),
+    # GPT-2 small (124M). Batch 1 and 3 rounds by default: a step of batch 8 takes minutes on two CPU cores.
+    "gpt2-small": Shape(d_model=768, n_layers=12, n_heads=12, context_length=1024, vocab_size=50257, batch_size=1,
+                        runs=3),
 }
 MODES = {  # name: (autocast dtype, torch.compile)
     "fp32": (torch.float32, False),
@@ -113,7 +116,7 @@ def measure(name: str, mode: str, args) -> dict:
     """Interleaved timings (and peak memory) of both peers for one configuration and mode."""
     shape, (dtype, compiled) = SHAPES[name], MODES[mode]
     generator = torch.Generator().manual_seed(args.seed)
-    batch = args.batch_size or shape.batch_size
+    batch, runs = args.batch_size or shape.batch_size, args.runs or shape.runs
     inputs = torch.randint(shape.vocab_size, (batch, shape.context_length), generator=generator)
     targets = torch.roll(inputs, -1, dims=1)  # any targets will do; the work does not depend on them
     steps, first = {}, {}
@@ -127,7 +130,7 @@ def measure(name: str, mode: str, args) -> dict:
     seconds = {peer: [] for peer in PEERS}
     ceilings = {precision: [] for precision in CEILING_DTYPES}
     losses = {}
-    for _ in tqdm(range(args.runs), desc=f"{name} {mode}", leave=False):
+    for _ in tqdm(range(runs), desc=f"{name} {mode}", leave=False):
         for peer in PEERS:
             seconds[peer].append(time_once(lambda: losses.__setitem__(peer, steps[peer]())))
         for precision, ceiling_dtype in CEILING_DTYPES.items():  # the ceiling under the same load
@@ -136,9 +139,12 @@ def measure(name: str, mode: str, args) -> dict:
         if not math.isfinite(loss):
             raise SystemExit(f"error: {peer} gave a non-finite loss {loss} in {mode}")
     tokens = batch * shape.context_length
+    # Each round's two steps ran back to back: their ratio cancels most of a shared machine's drift.
+    ratios = sorted(theirs / ours for ours, theirs in zip(seconds["llmscratch"], seconds["transformers"]))
     result = {"tokens_per_s": {p: tokens / median(seconds[p]) for p in PEERS},
+              "ratio": (median(ratios), ratios[0], ratios[-1]),
               "ceiling": {precision: median(values) for precision, values in ceilings.items()},
-              "first_s": first, "batch": batch}
+              "first_s": first, "batch": batch, "runs": runs}
     if not args.no_memory:
         result["peak_mib"] = {p: peak_memory_bytes(steps[p]) / 2**20 for p in PEERS}
     del steps
@@ -153,7 +159,8 @@ def parse_args() -> argparse.Namespace:
         help="model configurations (default: both)")
     add("--modes", nargs="+", choices=list(MODES), default=["fp32", "bf16", "compiled"],
         help="fp32 eager, bf16 autocast, fp32 torch.compile, bf16 torch.compile (default: the first three)")
-    add("--runs", type=int, default=3, help="interleaved timed steps per peer; medians are reported (default 3)")
+    add("--runs", type=int, default=None,
+        help="interleaved timed steps per peer; medians are reported (default: 5 for 6x384, 3 for gpt2-small)")
     add("--warmup", type=int, default=1, help="untimed steps first, compilation included (default 1)")
     add("--batch-size", type=int, default=None,
         help="sequences per step (default: 8 for 6x384, 1 for gpt2-small)")
@@ -194,19 +201,19 @@ def print_section(results: dict, args, load_before: str, load_after: str) -> Non
     print(f"Load average (1, 5, 15 min) before: {load_before}; after: {load_after}  ")
     print(f"transformers {transformers.__version__} `GPT2LMHeadModel` (SDPA) vs llmscratch `GPT`, "
           f"{'`GPT(idx, targets=...)`' if args.loss == 'targets' else 'full logits + `F.cross_entropy`'}; "
-          f"AdamW from `configure_optimizer` for both; {args.runs} interleaved timed steps per peer after "
+          f"AdamW from `configure_optimizer` for both; interleaved rounds of one timed step per peer after "
           f"{args.warmup} warm-up step(s), medians. Each round also measures the fp32 and bf16 matmul "
           f"ceilings (1536² products, best of a few), whose medians the MFU columns divide by.\n")
     for name in args.configs:
         shape = SHAPES[name]
         fpt = flops_per_token(shape)
-        batch = results[name, args.modes[0]]["batch"]
+        batch, runs = results[name, args.modes[0]]["batch"], results[name, args.modes[0]]["runs"]
         vocab = args.pad_vocab * math.ceil(shape.vocab_size / args.pad_vocab)
         padded = f" (llmscratch padded to {vocab:,})" if vocab != shape.vocab_size else ""
         print(f"**{name}**: {shape.n_layers} layers, {shape.n_heads} heads, width {shape.d_model}, context "
-              f"{shape.context_length}, vocabulary {shape.vocab_size:,}{padded}, batch {batch}; "
+              f"{shape.context_length}, vocabulary {shape.vocab_size:,}{padded}, batch {batch}, {runs} rounds; "
               f"{fpt / 1e6:,.0f} MFLOP per token for training.\n")
-        print("| mode | llmscratch tokens/s | transformers tokens/s | ratio | ceiling fp32 / bf16 GFLOP/s "
+        print("| mode | llmscratch tokens/s | transformers tokens/s | ratio (range) | ceiling fp32 / bf16 GFLOP/s "
               "| llmscratch MFU | transformers MFU | llmscratch share of bf16 ceiling "
               "| peak MiB llmscratch / transformers | first step s |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -216,12 +223,14 @@ def print_section(results: dict, args, load_before: str, load_after: str) -> Non
             ceiling = r["ceiling"]["bf16" if MODES[mode][0] == torch.bfloat16 else "fp32"]
             memory = " / ".join(f"{r['peak_mib'][p]:,.0f}" for p in PEERS) if "peak_mib" in r else "-"
             first = " / ".join(f"{r['first_s'][p]:.1f}" for p in PEERS)
-            print(f"| {mode} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} "
+            ratio, low, high = r["ratio"]
+            print(f"| {mode} | {ours:,.0f} | {theirs:,.0f} | {ratio:.2f} ({low:.2f}-{high:.2f}) "
                   f"| {r['ceiling']['fp32'] / 1e9:,.0f} / {r['ceiling']['bf16'] / 1e9:,.0f} "
                   f"| {100 * fpt * ours / ceiling:.0f}% | {100 * fpt * theirs / ceiling:.0f}% "
                   f"| {100 * fpt * ours / r['ceiling']['bf16']:.0f}% | {memory} | {first} |")
         print()
-    print("MFU: model FLOPs per second over the fp32 ceiling in fp32 modes, the bf16 ceiling in bf16 modes. "
+    print("Ratio: llmscratch tokens/s over transformers', the median (and range) of the per-round ratios. "
+          "MFU: model FLOPs per second over the fp32 ceiling in fp32 modes, the bf16 ceiling in bf16 modes. "
           "First step: llmscratch / transformers, compilation included (not in the medians).")
 
 

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per training window (default: the preset's)")
     m.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
     t = p.add_argument_group("training")
-    t.add_argument("--max-steps", type=int, default=600, help="optimizer steps (default: %(default)s)")
-    t.add_argument("--batch-size", type=int, default=16,
+    t.add_argument("--max-steps", type=int, default=800, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=8,
                    help="sequences per micro-step on each process (default: %(default)s)")
     t.add_argument("--grad-accum", type=int, default=1,
                    help="micro-steps per optimizer step: the global batch is batch-size x grad-accum x "
