@@ -3,6 +3,7 @@
     python -m benchmarks                      # every benchmark, then RESULTS.md is updated
     python -m benchmarks train generate       # only these
     python -m benchmarks --dry-run train      # print the sections, leave RESULTS.md alone
+    python -m benchmarks --threads 1          # steadier timings on a shared machine
 
 Each benchmark prints a Markdown section on stdout (progress bars go to stderr). In RESULTS.md a
 benchmark's generated section sits between ``<!-- benchmark:NAME -->`` and
@@ -23,17 +24,20 @@ from benchmarks.common import today
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BENCHMARKS = {  # name: the command, run from the repository root
-    "tokenizer": ["-m", "benchmarks.bench_tokenizer"],
+    "tokenizer": ["-m", "benchmarks.bench_tokenizer"],  # one thread by design: no --threads
     "attention": ["ch02-attention/attention_bench.py"],
     "generate": ["-m", "benchmarks.bench_generate"],
     "train": ["-m", "benchmarks.bench_train"],
 }
 
 
-def run(name: str) -> str:
+def run(name: str, threads: int | None) -> str:
     """The benchmark's stdout; stderr (progress) passes through. Exits on failure."""
-    command = [sys.executable, *BENCHMARKS[name]]
-    shown = " ".join(["python", *BENCHMARKS[name]])
+    arguments = list(BENCHMARKS[name])
+    if threads is not None and name != "tokenizer":
+        arguments += ["--threads", str(threads)]
+    command = [sys.executable, *arguments]
+    shown = " ".join(["python", *arguments])
     print(f"== {name}: {shown}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -61,12 +65,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"benchmarks to run, among {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the benchmarks that take --threads (default: torch's own choice; "
+                             "1 steadies timings on a machine shared with other work)")
     parser.add_argument("--dry-run", action="store_true", help="print the sections instead of writing RESULTS.md")
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose among {list(BENCHMARKS)}")
-    sections = {name: run(name) for name in args.names or BENCHMARKS}
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be a positive integer, got {args.threads}")
+    sections = {name: run(name, args.threads) for name in args.names or BENCHMARKS}
     if args.dry_run:
         print("\n\n".join(sections.values()))
         return

@@ -31,7 +31,7 @@ from llmscratch.instruct import (
 )
 from llmscratch.lora import lora_layers, merge_lora, save_adapters
 
-DEFAULTS = FinetuneConfig(epochs=3, batch_size=8, lr=5e-4, trainable="all")
+DEFAULTS = FinetuneConfig(epochs=8, batch_size=8, lr=1e-3, trainable="all")
 SPLITS = ("train", "validation", "test")
 
 
