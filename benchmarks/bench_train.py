@@ -10,7 +10,7 @@ AdamW (``llmscratch.train.configure_optimizer``). Each takes its normal path to 
 interleaved rounds in one process, so a busy spell of a shared machine hits both; medians are
 reported. Tokens/s counts real tokens (batch x context); MFU divides the model's FLOPs (6 per
 weight per token plus attention, of the unpadded model) by a matmul ceiling measured in the same
-run. Peak memory is what PyTorch's allocator held during one step above what it held before.
+rounds. Peak memory is what PyTorch's allocator held during one step above what it held before.
 """
 
 import argparse
@@ -82,6 +82,11 @@ def build(peer: str, shape: Shape, vocab_size: int, seed: int) -> torch.nn.Modul
     return transformers.GPT2LMHeadModel(config).train()
 
 
+def padded_vocab(shape: Shape, multiple: int) -> int:
+    """llmscratch's vocabulary: the real one rounded up to a multiple of ``multiple`` (--pad-vocab)."""
+    return multiple * math.ceil(shape.vocab_size / multiple)
+
+
 def flops_per_token(shape: Shape) -> int:
     """Training FLOPs per token of the unpadded model (vocabulary as given), by llmscratch's count."""
     with torch.device("meta"):  # shapes only
@@ -121,7 +126,7 @@ def measure(name: str, mode: str, args) -> dict:
     targets = torch.roll(inputs, -1, dims=1)  # any targets will do; the work does not depend on them
     steps, first = {}, {}
     for peer in PEERS:
-        vocab = shape.vocab_size if peer == "transformers" else args.pad_vocab * math.ceil(shape.vocab_size / args.pad_vocab)
+        vocab = shape.vocab_size if peer == "transformers" else padded_vocab(shape, args.pad_vocab)
         model = build(peer, shape, vocab, args.seed)
         steps[peer] = make_step(peer, model, dtype, compiled, inputs, targets, args.loss)
         first[peer] = time_once(steps[peer])  # warm-up; compiles in a compiled mode
@@ -208,7 +213,7 @@ def print_section(results: dict, args, load_before: str, load_after: str) -> Non
         shape = SHAPES[name]
         fpt = flops_per_token(shape)
         batch, runs = results[name, args.modes[0]]["batch"], results[name, args.modes[0]]["runs"]
-        vocab = args.pad_vocab * math.ceil(shape.vocab_size / args.pad_vocab)
+        vocab = padded_vocab(shape, args.pad_vocab)
         padded = f" (llmscratch padded to {vocab:,})" if vocab != shape.vocab_size else ""
         print(f"**{name}**: {shape.n_layers} layers, {shape.n_heads} heads, width {shape.d_model}, context "
               f"{shape.context_length}, vocabulary {shape.vocab_size:,}{padded}, batch {batch}, {runs} rounds; "

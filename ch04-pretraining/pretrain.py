@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None, dist: distributed.DistInfo | None = None)
         saved = None
         if dist is None or dist.is_main:  # multi-node: only rank 0 needs the run folder
             if not (args.out_dir / CHECKPOINT_FILE).is_file() or not run_file.is_file():
-                saved = {"error": f"--resume: {args.out_dir} holds no run to resume (no {CHECKPOINT_FILE} "
-                                  f"and {RUN_FILE})"}
+                saved = {"error": f"--resume: {args.out_dir} holds no run to resume (it needs {CHECKPOINT_FILE} "
+                                  f"and {RUN_FILE}, written by this script)"}
             else:
                 saved = json.loads(run_file.read_text(encoding="utf-8"))
         saved = distributed.broadcast_object(saved)

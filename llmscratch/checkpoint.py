@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import random
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,8 +87,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    # A fresh name in the same folder (a rename across filesystems would not be atomic); the writer
+    # creates the file, so it gets the usual permissions rather than mkstemp's owner-only ones.
+    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
     try:
         write(tmp)
         with open(tmp, "rb+") as f:

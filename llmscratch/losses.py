@@ -3,9 +3,9 @@
 The plain way, ``F.cross_entropy(hidden @ weight.T, targets)``, stores the (N, V) logits, a
 float32 copy under autocast, their log-softmax and, in the backward pass, a zero-filled (N, V)
 gradient: with GPT-2's 50,257-token vocabulary and 8 x 1024 tokens, 1.6 GB per array. Here the
-rows go through in chunks: each chunk's logits, log-softmax and gradient live in two reused
-buffers, and the gradients of ``hidden`` and ``weight`` are finished during the forward pass
-(the softmax is at hand then), so the backward pass only scales them. The matrix products are
+rows go through in chunks: each chunk's logits, log-softmax and gradient live in buffers
+reused by every chunk, and the gradients of ``hidden`` and ``weight`` are finished during the
+forward pass (the softmax is at hand then), so the backward pass only scales them. The matrix products are
 the same three as the plain way; what goes is the (N, V) traffic and memory. The plain way stays
 the reference: the tests hold this one to it.
 """

@@ -42,6 +42,8 @@ def test_round_trip_with_weights_only(tmp_path):
     assert_same_weights(model_from_checkpoint(tmp_path / "c.pt"), model)
     assert tokenizer_from_checkpoint(tmp_path / "c.pt").merges == tokenizer().merges
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left behind
+    (tmp_path / "plain").write_bytes(b"")
+    assert (tmp_path / "c.pt").stat().st_mode == (tmp_path / "plain").stat().st_mode  # usual permissions
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -58,7 +60,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         save_checkpoint(tmp_path / "c.pt", checkpoint_of(new, step=2))
     assert load_checkpoint(tmp_path / "c.pt")["step"] == 1
     assert_same_weights(model_from_checkpoint(tmp_path / "c.pt"), old)
-    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # the half-written temporary was removed
 
 
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
