@@ -1,6 +1,6 @@
 """Finetune a pretrained GPT into a spam classifier on the bundled SMS Spam Collection.
 
-    python ch05-finetuning/finetune_classifier.py              # from ch04's runs/pretrain/model.safetensors
+    python ch05-finetuning/finetune_classifier.py              # from the bundled model of ch04's default run
     python ch05-finetuning/finetune_classifier.py --lora --lora-rank 8
     python ch05-finetuning/finetune_classifier.py --base gpt2-folder --test-mode
 
@@ -41,8 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a smoke test in seconds: 32 training messages, 1 epoch, 32 tokens per message")
     args = parser.parse_args(argv)
     if not args.base.exists():
-        parser.error(f"--base {args.base}: no such file or folder (run ch04-pretraining/pretrain.py "
-                     "to make the default one, or name another)")
+        parser.error(f"--base {args.base}: no such file or folder (expected a model.safetensors or "
+                     "checkpoint.pt of ch04-pretraining/pretrain.py, or a Hugging Face GPT-2 folder)")
     if args.max_length < 1:
         parser.error(f"--max-length must be at least 1, got {args.max_length}")
     return args

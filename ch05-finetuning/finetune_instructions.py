@@ -1,6 +1,6 @@
 """Finetune a pretrained GPT to follow instructions, and score it against the base model.
 
-    python ch05-finetuning/finetune_instructions.py            # from ch04's runs/pretrain/model.safetensors
+    python ch05-finetuning/finetune_instructions.py            # from the bundled model of ch04's default run
     python ch05-finetuning/finetune_instructions.py --lora --lora-rank 8
     python ch05-finetuning/finetune_instructions.py --base gpt2-folder --test-mode
 
@@ -50,8 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "1 test record per family")
     args = parser.parse_args(argv)
     if not args.base.exists():
-        parser.error(f"--base {args.base}: no such file or folder (run ch04-pretraining/pretrain.py "
-                     "to make the default one, or name another)")
+        parser.error(f"--base {args.base}: no such file or folder (expected a model.safetensors or "
+                     "checkpoint.pt of ch04-pretraining/pretrain.py, or a Hugging Face GPT-2 folder)")
     if not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     if args.max_new_tokens < 1:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmscratch.assets import PRETRAINED_PATH
 from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.lora import LoRAConfig, apply_lora, count_parameters
 from llmscratch.model import GPT
@@ -195,10 +196,11 @@ def pick_device(name: str | None = None) -> torch.device:
 # --------------------------------------------------------------------------- scripts
 def add_arguments(parser, defaults: FinetuneConfig) -> None:
     """The command-line flags both finetuning scripts share, with this task's defaults."""
-    parser.add_argument("--base", type=Path, default=Path("runs/pretrain/model.safetensors"),
+    parser.add_argument("--base", type=Path, default=PRETRAINED_PATH,
                         help="the model to start from: the model.safetensors or checkpoint.pt that "
-                             "ch04-pretraining/pretrain.py writes, or a Hugging Face GPT-2 folder "
-                             "(config.json + model.safetensors)")
+                             "ch04-pretraining/pretrain.py writes (e.g. runs/pretrain/model.safetensors), "
+                             "or a Hugging Face GPT-2 folder (config.json + model.safetensors); default: "
+                             "the bundled model of pretrain.py's default run")
     parser.add_argument("--trainable", choices=TRAINABLE, default=defaults.trainable,
                         help="what trains: the head only, the last k blocks + final norm + head, everything, "
                              "or LoRA adapters (+ the head)")

@@ -144,3 +144,15 @@ def test_instruction_data_is_reproduced_by_its_script(tmp_path):
     make.main(["--check"])  # the committed file is exactly what the script writes
     make.main(["--out", str(tmp_path / "other.json"), "--seed", "1"])
     assert (tmp_path / "other.json").read_text() != INSTRUCTIONS_PATH.read_text()
+
+
+def test_the_default_base_is_the_bundled_pretrained_model(tmp_path):
+    from llmscratch.assets import PRETRAINED_PATH
+
+    for name in ("finetune_classifier", "finetune_instructions"):
+        assert script(name).parse_args(["--out-dir", str(tmp_path)]).base == PRETRAINED_PATH
+    out = tmp_path / "run"
+    script("finetune_classifier").main(["--out-dir", str(out), "--test-mode", "--no-progress"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["base"] == str(PRETRAINED_PATH)
+    assert Classifier.load(out / "classifier.pt").model.gpt.config == load_base(PRETRAINED_PATH)[0].config
