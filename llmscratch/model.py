@@ -7,6 +7,7 @@ Both are a stack of pre-norm blocks: ``x = x + attention(norm(x)); x = x + mlp(n
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +43,17 @@ class GPTConfig:
     fused_attention: bool = True  # scaled_dot_product_attention; False: the explicit math
 
     def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("qkv_bias", "bias", "tie_embeddings", "fused_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")

@@ -164,6 +164,13 @@ def test_residual_projections_get_the_scaled_init():
     (dict(context_length=0), r"context_length must be a positive integer, got 0"),
     (dict(rope_theta=0.0), r"rope_theta and norm_eps must be positive, got 0.0"),
     (dict(norm_eps=-1e-5), r"rope_theta and norm_eps must be positive, got 10000.0, -1e-05"),
+    (dict(d_model=64.0), r"d_model must be an integer, got 64.0"),
+    (dict(n_layers="2"), r"n_layers must be an integer, got '2'"),
+    (dict(d_ff=True), r"d_ff must be an integer, got True"),
+    (dict(rope_theta=float("nan")), r"rope_theta must be a finite number, got nan"),
+    (dict(norm_eps=float("inf")), r"norm_eps must be a finite number, got inf"),
+    (dict(dropout="0.1"), r"dropout must be a finite number, got '0.1'"),
+    (dict(bias="no"), r"bias must be True or False, got 'no'"),
 ])
 def test_bad_config_is_a_clear_error(fields, message):
     with pytest.raises(ValueError, match=message):
