@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import today
+from llmscratch.atomic import write_text_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -82,9 +83,7 @@ def main() -> None:
     text = RESULTS.read_text(encoding="utf-8")
     for name, section in sections.items():
         text = replace_section(text, name, section)
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, RESULTS)
+    write_text_atomically(RESULTS, text)
     print(f"updated {RESULTS.relative_to(ROOT)}: {', '.join(sections)}", file=sys.stderr)
 
 

@@ -16,8 +16,6 @@ import dataclasses
 import json
 import os
 import random
-import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmscratch.atomic import write_atomically
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
 
@@ -84,33 +83,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- files
-def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh name in the same folder (a rename across filesystems would not be atomic); the writer
-    # creates the file, so it gets the usual permissions rather than mkstemp's owner-only ones.
-    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself survive a power cut
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; the rename is still atomic
-
-
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """``torch.save`` a training state (see ``Trainer.state_dict``) atomically."""
-    _write_atomically(Path(path), lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
+    write_atomically(Path(path), lambda tmp: torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -190,7 +165,7 @@ def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokeni
     metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(raw.config.to_dict())}
     if tokenizer is not None:
         metadata["tokenizer"] = tokenizer.to_json()
-    _write_atomically(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    write_atomically(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _read_export(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

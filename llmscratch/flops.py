@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.atomic import write_text_atomically
+
 # Dense datasheet peaks in TFLOP/s, by matmul precision. "fp32" is plain FP32; "tf32" is FP32
 # inputs on tensor cores (used when torch allows TF32 matmuls).
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -87,10 +89,7 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
     if measured > cache.get(key, 0.0):
         cache[key] = measured
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several processes may write at once
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
+            write_text_atomically(path, json.dumps(cache, indent=1))  # several processes may write at once
         except OSError:
             pass  # a read-only home: nothing is remembered, the figure of this run is used
     return cache[key]

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from llmscratch.atomic import write_atomically
+
 # Every linear layer inside the blocks: attention (qkv, out_proj) and the MLP (GPT-2's fc, proj;
 # Llama's gate, up, down). The output head is left out: it is often tied to the embedding.
 DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.out_proj", "*.mlp.*")
@@ -156,11 +158,7 @@ def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
         tensors[f"{name}.lora_b"] = layer.lora_b.detach().contiguous().cpu()
     shapes = {name: {"rank": layer.rank, "alpha": layer.alpha} for name, layer in layers.items()}
     metadata = {"format": _FORMAT, "layers": json.dumps(shapes, sort_keys=True)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, path)  # atomic: a crash leaves the previous file whole
+    write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))  # a crash keeps the old file
 
 
 def load_adapters(model: nn.Module, path: str | os.PathLike, dropout: float = 0.0) -> list[str]:

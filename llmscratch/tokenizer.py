@@ -10,7 +10,6 @@ import functools
 import heapq
 import json
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Collection, Iterable
@@ -21,6 +20,7 @@ import regex
 import tiktoken
 
 from llmscratch.assets import GPT2_RANKS_PATH
+from llmscratch.atomic import write_text_atomically
 
 # GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace.
 # A merge never crosses the boundary between two of these chunks.
@@ -318,7 +318,7 @@ class BPETokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``to_json()`` to ``path`` atomically (a crash never leaves half a file)."""
-        _write_atomically(Path(path), self.to_json())
+        write_text_atomically(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "BPETokenizer":
@@ -405,19 +405,6 @@ def _replace_lone_surrogates(text: str) -> str:
 def _readable(token: bytes) -> str:
     """A token's bytes as text, with invalid UTF-8 shown as \\xNN escapes."""
     return token.decode("utf-8", errors="backslashreplace")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _progress_bar(total: int, description: str):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmscratch.checkpoint import _write_atomically
+from llmscratch.atomic import write_atomically, write_text_atomically
 from llmscratch.model import GPT, GPTConfig
 
 # HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
@@ -246,9 +246,9 @@ def save_hf(model: GPT, path: str | os.PathLike) -> None:
     hf_config = config_to_hf(model.config)
     hf_config["torch_dtype"] = str(model.token_embedding.weight.dtype).removeprefix("torch.")
     tensors = ours_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
-    _write_atomically(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_atomically(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(hf_config, indent=2) + "\n"
-    _write_atomically(folder / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    write_text_atomically(folder / "config.json", text)
 
 
 def _read_json(path: Path) -> dict:
