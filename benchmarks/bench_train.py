@@ -28,10 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.common import (load_average, machine_description, median, peak_memory_bytes,  # noqa: E402
-                               time_once, today)
+from benchmarks.common import load_average, machine_description, median, time_once, today  # noqa: E402
 from llmscratch.flops import measure_matmul_flops  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
+from llmscratch.profiling import peak_memory_bytes  # noqa: E402
 from llmscratch.train import TrainConfig, autocast, configure_optimizer  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -137,7 +137,7 @@ def measure(name: str, mode: str, args) -> dict:
     losses = {}
     for _ in tqdm(range(runs), desc=f"{name} {mode}", leave=False):
         for peer in PEERS:
-            seconds[peer].append(time_once(lambda: losses.__setitem__(peer, steps[peer]())))
+            seconds[peer].append(time_once(lambda step=steps[peer], peer=peer: losses.__setitem__(peer, step())))
         for precision, ceiling_dtype in CEILING_DTYPES.items():  # the ceiling under the same load
             ceilings[precision].append(measure_matmul_flops(ceiling_dtype, max_seconds=1.0))
     for peer, loss in losses.items():

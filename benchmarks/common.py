@@ -57,29 +57,3 @@ def load_average() -> str:
         return ", ".join(f"{value:.2f}" for value in os.getloadavg())
     except OSError:
         return "unknown"
-
-
-def peak_memory_bytes(step: Callable[[], object]) -> int:
-    """Peak bytes PyTorch's allocator held during one call of step, above what it held before.
-
-    CUDA keeps this statistic itself; on CPU, the allocation and free events the profiler records
-    are replayed (PyTorch tensors only, not Python objects or the allocator's own caching).
-    """
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    held = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        held += event.nbytes()  # negative for a free
-        peak = max(peak, held)
-    return peak

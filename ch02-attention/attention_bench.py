@@ -6,8 +6,6 @@ saves a plot. Example: python ch02-attention/attention_bench.py --seq-lens 128 2
 """
 
 import argparse
-import contextlib
-import os
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from tqdm import tqdm
 
 from llmscratch.attention import MultiHeadAttention
 from llmscratch.flops import cpu_model
+from llmscratch.profiling import peak_memory_bytes, quiet_stderr
 from llmscratch.rope import RotaryEmbedding
 
 VARIANTS = ("explicit", "fused", "compiled")
@@ -120,42 +119,6 @@ def time_variants(steps: dict, args: argparse.Namespace) -> dict[str, tuple[floa
     return {name: (first[name], statistics.median(timings[name])) for name in steps}
 
 
-@contextlib.contextmanager
-def quiet_stderr():
-    """Silence file descriptor 2: the CPU profiler's C++ side logs two lines per use there."""
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def peak_bytes(step, device: str) -> int:
-    """Peak bytes held by PyTorch's allocator during one step, above what was held before it.
-
-    CUDA keeps this statistic itself. On CPU, we replay the allocation and free events the profiler
-    records (PyTorch tensors only, not Python objects or the allocator's own caching).
-    """
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    held = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        held += event.nbytes()  # negative for a free
-        peak = max(peak, held)
-    return peak
-
-
 def sdpa_kernels(module, rope, x: torch.Tensor) -> str:
     """Names of the kernels scaled_dot_product_attention dispatched to for this input."""
     with torch.no_grad(), quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -233,7 +196,7 @@ def main() -> None:
         grad_out = random_input(seq_len)
         steps = {name: make_step(module, rope, x, grad_out) for name, module in variants.items()}
         for name, (first_s, median_s) in time_variants(steps, args).items():
-            mib = peak_bytes(steps[name], args.device) / 2**20
+            mib = peak_memory_bytes(steps[name], args.device) / 2**20
             results[name][seq_len] = {"ms": median_s * 1e3, "mib": mib, "first_s": first_s}
     print_table(results, args)
     plot(results, args, title)
