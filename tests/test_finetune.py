@@ -24,6 +24,7 @@ from llmscratch.lora import LoRAConfig, count_parameters  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
 from llmscratch.weights import save_hf  # noqa: E402
+from model_fixtures import successor_model  # noqa: E402
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),
@@ -282,22 +283,9 @@ def hash_tokenizer() -> BPETokenizer:
     return BPETokenizer([(35, 35), (256, 35)], special_tokens={"<|endoftext|>": 258})
 
 
-def chain_model(successor: dict[int, int], vocab_size: int = 259) -> GPT:
-    """A GPT whose greedy next token is successor[last token], whatever came before.
-
-    The blocks add nothing; each mapped token embeds as its own one-hot direction, and the
-    head's row for successor[t] points along t's direction.
-    """
-    model = GPT(GPTConfig(vocab_size=vocab_size, context_length=256, d_model=len(successor) + 1, n_layers=1,
-                          n_heads=1, tie_embeddings=False))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-        model.final_norm.weight.fill_(1.0)
-        for slot, (token, next_token) in enumerate(successor.items()):
-            model.token_embedding.weight[token, slot] = 1.0
-            model.lm_head.weight[next_token, slot] = 10.0
-    return model.eval()
+def chain_model(successor: dict[int, int]) -> GPT:
+    """A GPT over hash_tokenizer's 259 tokens whose greedy next token is successor[last token]."""
+    return successor_model(successor, vocab_size=259, context_length=256, strength=10.0)
 
 
 RECORDS = [{"instruction": "Say ab.", "input": "", "output": "AB", "family": "say"},

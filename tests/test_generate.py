@@ -17,6 +17,7 @@ from llmscratch.generate import (  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
 from llmscratch.weights import load_hf  # noqa: E402
+from model_fixtures import randomize, successor_model  # noqa: E402
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),
@@ -24,16 +25,6 @@ TINY = {
                   d_ff=80, norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False,
                   tie_embeddings=False, rope_theta=50_000.0),
 }
-
-
-def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
-    """Every parameter random, large enough that greedy decoding does not repeat one token."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            is_gain = param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
-            param.copy_(1.0 + 0.1 * noise if is_gain else scale * noise)
 
 
 def tiny(kind: str, **overrides) -> GPT:
@@ -44,24 +35,6 @@ def tiny(kind: str, **overrides) -> GPT:
 
 def prompts(batch: int, length: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def spelling_model(successor: dict[int, int], vocab_size: int = 50) -> GPT:
-    """A GPT whose greedy next token is successor[last token], whatever came before.
-
-    The blocks add nothing (zero output projections); each token of the map embeds as its own
-    one-hot direction, and the head's row for successor[t] points along t's direction.
-    """
-    model = GPT(GPTConfig(vocab_size=vocab_size, context_length=64, d_model=len(successor) + 1,
-                          n_layers=1, n_heads=1, tie_embeddings=False))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-        model.final_norm.weight.fill_(1.0)
-        for slot, (token, following) in enumerate(successor.items()):
-            model.token_embedding.weight[token, slot] = 1.0
-            model.lm_head.weight[following, slot] = 1.0
-    return model.eval()
 
 
 # --------------------------------------------------------------------------- greedy
@@ -236,7 +209,7 @@ CHAIN = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8, 8: 8}  # 8 repeats forever
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_each_row_stops_at_its_own_eos_and_is_padded(use_cache):
-    model = spelling_model(CHAIN)
+    model = successor_model(CHAIN, vocab_size=50)
     idx = torch.tensor([[0, 1], [0, 3], [0, 6]])
     out = generate(model, idx, 6, eos_id=5, pad_id=0, use_cache=use_cache)
     assert out[:, 2:].tolist() == [[2, 3, 4, 5, 0, 0], [4, 5, 0, 0, 0, 0], [7, 8, 8, 8, 8, 8]]
@@ -246,7 +219,7 @@ def test_each_row_stops_at_its_own_eos_and_is_padded(use_cache):
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generation_ends_early_when_every_row_is_done(use_cache):
-    model = spelling_model(CHAIN)
+    model = successor_model(CHAIN, vocab_size=50)
     idx = torch.tensor([[1], [3], [5]])  # an EOS in the prompt does not finish a row
     out = generate(model, idx, 10, eos_id=6, pad_id=0, use_cache=use_cache)
     assert out.tolist() == [[1, 2, 3, 4, 5, 6], [3, 4, 5, 6, 0, 0], [5, 6, 0, 0, 0, 0]]
@@ -266,7 +239,7 @@ def test_stream_yields_the_tokens_of_generate():
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_bfloat16_model_generates_the_same_tokens(use_cache):
     """Weights, activations and KV cache in bf16: the spelling model's margins survive the rounding."""
-    model = spelling_model(CHAIN)
+    model = successor_model(CHAIN, vocab_size=50)
     idx = torch.tensor([[0, 1], [0, 3], [0, 6]])
     expected = generate(model, idx, 6, eos_id=5, pad_id=0, use_cache=use_cache)
     got = generate(model.to(torch.bfloat16), idx, 6, eos_id=5, pad_id=0, use_cache=use_cache)
@@ -368,7 +341,7 @@ def test_stream_text_yields_whole_characters_and_stops_at_eos(gpt2_tokenizer):
     # The llama emoji is 4 bytes over several tokens: single tokens are not whole characters.
     assert any("\ufffd" in gpt2_tokenizer.decode([token]) for token in ids)
     successor = dict(zip(ids, ids[1:] + [ids[-1]]))
-    model = spelling_model(successor, vocab_size=50257)
+    model = successor_model(successor, vocab_size=50257)
     steps = len(ids) - 1  # "Hello" is the first token; the model spells out the rest
     pieces = list(stream_text(model, gpt2_tokenizer, "Hello", steps))
     assert "".join(pieces) == TEXT[len("Hello"):]

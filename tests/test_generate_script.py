@@ -20,6 +20,7 @@ from llmscratch.generate import generate_text  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
 from llmscratch.weights import save_hf  # noqa: E402
+from model_fixtures import randomize  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch03-architecture" / "generate.py"
 PROMPT = "Call me Ishmael. Some years ago"
@@ -37,16 +38,6 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     """The script in a fresh interpreter; stdout kept as bytes (text mode would rewrite '\\r')."""
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, env=env, timeout=120)
-
-
-def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
-    """Weights large enough that greedy decoding does not settle on one repeated token."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            is_gain = param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
-            param.copy_(1.0 + 0.1 * noise if is_gain else scale * noise)
 
 
 @pytest.fixture(scope="module")

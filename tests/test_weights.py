@@ -13,16 +13,7 @@ import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
 
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.weights import config_from_hf, download_gpt2, load_hf, save_hf  # noqa: E402
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random (norm gains near 1): a mapping mistake cannot hide behind zeros or ones."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            is_gain = param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
-            param.copy_(1.0 + 0.1 * noise if is_gain else 0.05 * noise)
+from model_fixtures import randomize  # noqa: E402
 
 
 def hf_gpt2(tie: bool = True, **shape):
@@ -30,7 +21,7 @@ def hf_gpt2(tie: bool = True, **shape):
     config = transformers.GPT2Config(vocab_size=311, n_positions=64, n_layer=3, tie_word_embeddings=tie,
                                      bos_token_id=0, eos_token_id=0, attn_implementation="eager", **shape)
     model = transformers.GPT2LMHeadModel(config).eval()
-    randomize(model, seed=1)
+    randomize(model, seed=1, scale=0.05)
     return model
 
 
@@ -43,7 +34,7 @@ def hf_llama(tie: bool = False, bias: bool = False, **shape):
         attn_implementation="eager", **shape,
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    randomize(model, seed=2)
+    randomize(model, seed=2, scale=0.05)
     return model
 
 
