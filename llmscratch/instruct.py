@@ -14,10 +14,10 @@ from torch import nn
 
 from llmscratch.generate import generate
 from llmscratch.evaluation import autocast, next_token_loss
+from llmscratch.losses import IGNORE_INDEX
 
 HEADER = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 FIELDS = ("instruction", "input", "output")
-IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: these targets add nothing to the loss
 TEMPLATE_MARKERS = ("###", HEADER[:24])  # text of the template that has no place in an answer
 
 
