@@ -251,7 +251,12 @@ class GPT(nn.Module):
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
-            return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())  # ()
+            if type(self.lm_head) is nn.Linear:  # a plain head: its weight is all the loss needs
+                return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())  # ()
+            # A head replaced by another module (e.g. LoRA on lm_head): its logits, then the loss.
+            logits = self.lm_head(x)  # (B, T, V)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least, as above
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # ()
         return self.lm_head(x)  # (B, T, vocab_size)
 
     def make_kv_caches(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:

@@ -140,6 +140,17 @@ def test_merging_a_tied_head_leaves_the_embedding_alone():
     assert model.lm_head.weight is not model.token_embedding.weight
 
 
+@pytest.mark.parametrize("targets", [("lm_head",), ("*.attn.qkv",)])
+def test_the_models_own_loss_path_sees_the_adapters(targets):
+    """GPT(idx, targets=...) (the training path) equals the loss of its logits, with LoRA anywhere."""
+    model = make("llama").double()
+    apply_lora(model, LoRAConfig(rank=2, targets=targets))
+    train_a_little(model)  # B moves away from zero, so the adapters change the logits
+    idx = tokens(model)
+    expected = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+    torch.testing.assert_close(model(idx[:, :-1], targets=idx[:, 1:]), expected, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_adapters_save_and_load_alone(kind, tmp_path):
     model = make(kind)
