@@ -5,12 +5,13 @@
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from llmscratch.assets import MOBY_DICK_PATH
-from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
+from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, check_special_tokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,11 +35,50 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--input {path}: no such file")
     if not 0.0 <= args.val_fraction < 1.0:
         parser.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    minimum = 256 + len(set(args.special_tokens))
+    try:
+        check_special_tokens(args.special_tokens)
+    except ValueError as err:
+        parser.error(f"--special-tokens: {err}")
+    if problem := output_problem(args.out):
+        parser.error(f"--out {args.out}: {problem}")
+    minimum = 256 + len(args.special_tokens)
     if args.vocab_size < minimum:
         parser.error(f"--vocab-size must be at least {minimum} (256 bytes + special tokens), "
                      f"got {args.vocab_size}")
     return args
+
+
+def output_problem(path: Path) -> str | None:
+    """Why the tokenizer could not be saved at ``path`` (checked before training), or None."""
+    if path.is_dir():
+        return "is a folder; give a file name such as tok.json"
+    folder = path.parent
+    while not folder.exists():  # saving creates the missing folders
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "exists and is not writable"
+    return None
+
+
+def read_inputs(paths: list[Path]) -> str:
+    """The input files joined by newlines; an unreadable or blank file exits with its name."""
+    texts = []
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            sys.exit(f"error: --input {path} is not UTF-8 text: {err}")
+        except OSError as err:
+            sys.exit(f"error: --input {path} cannot be read: {err}")
+        if not text.strip():
+            sys.exit(f"error: --input {path} is {'empty' if not text else 'only whitespace'}; "
+                     f"give a text to learn merges from")
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def bytes_per_token(tokenizer: BPETokenizer, text: str) -> float:
@@ -47,12 +87,13 @@ def bytes_per_token(tokenizer: BPETokenizer, text: str) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        text = "\n".join(path.read_text(encoding="utf-8") for path in args.input)
-    except UnicodeDecodeError as err:
-        sys.exit(f"error: an input file is not UTF-8 text: {err}")
+    text = read_inputs(args.input)
     split = int(len(text) * (1 - args.val_fraction))
     train_text, held_out = text[:split], text[split:]
+    inputs = " ".join(str(path) for path in args.input)
+    if not train_text.strip():
+        sys.exit(f"error: the training part of --input {inputs} (the first {1 - args.val_fraction:.0%}) "
+                 f"is blank; give a longer text or a smaller --val-fraction")
     print(f"training on {len(train_text.encode('utf-8')):,} bytes, "
           f"holding out {len(held_out.encode('utf-8')):,} bytes")
 
@@ -60,6 +101,9 @@ def main(argv=None) -> None:
     tokenizer = BPETokenizer.train(train_text, args.vocab_size, special_tokens=args.special_tokens,
                                    name=f"bpe-{args.vocab_size}", progress=True)
     print(f"learned {len(tokenizer.merges):,} merges in {time.perf_counter() - start:.1f} s")
+    if not tokenizer.merges and args.vocab_size > 256 + len(args.special_tokens):
+        sys.exit(f"error: --input {inputs} is too small: its training part has no two bytes side by "
+                 f"side within a chunk, so there is nothing to merge; nothing saved")
 
     longest = sorted(tokenizer.vocab.values(), key=len)[-8:]
     print("longest tokens:", ", ".join(repr(t.decode("utf-8", "replace")) for t in longest))
@@ -71,7 +115,10 @@ def main(argv=None) -> None:
         sample = " ".join(held_out[:200].split()[:16])
         pieces = [tokenizer.decode([i]) for i in tokenizer.encode(sample, disallowed_special=())]
         print(f"held-out sample, tokens split by '|': {'|'.join(pieces)}")
-    tokenizer.save(args.out)
+    try:
+        tokenizer.save(args.out)
+    except OSError as err:
+        sys.exit(f"error: could not save the tokenizer to --out {args.out}: {err}")
     print(f"saved {args.out}  (load it with BPETokenizer.load)")
 
 

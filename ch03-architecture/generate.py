@@ -16,11 +16,8 @@ from pathlib import Path
 
 import torch
 
-from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.generate import stream_text
-from llmscratch.model import GPT
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.weights import load_hf
+from llmscratch.weights import load_model_and_tokenizer  # every model source the course writes, one loader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dtype", choices=sorted(DTYPES), default="float32",
         help="precision of the weights and the computation (default float32; bfloat16 halves the memory)")
     add("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... (default: cuda if available, else cpu)")
+    add("--compile", action="store_true",
+        help="compile the decoding step with torch.compile: the same text, faster per token once compiled "
+             "(the first step waits for the compiler, tens of seconds on a CPU)")
     args = parser.parse_args(argv)
     if not args.checkpoint.exists():
         parser.error(f"checkpoint {args.checkpoint}: no such file or folder")
@@ -74,41 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_model_and_tokenizer(path: Path, tokenizer_path: Path | None) -> tuple[GPT, BPETokenizer]:
-    """The model and its tokenizer from a checkpoint of ours or a Hugging Face folder (ValueError if neither)."""
-    if path.is_dir() and (path / "config.json").is_file():
-        model = load_hf(path)
-        tokenizer = BPETokenizer.load(tokenizer_path) if tokenizer_path else hf_tokenizer(path, model)
-        return model, tokenizer
-    if path.is_dir():  # a training run's folder: the export (weights only) loads faster than the checkpoint
-        found = [path / name for name in ("model.safetensors", "checkpoint.pt") if (path / name).is_file()]
-        if not found:
-            raise ValueError(f"{path} holds no model.safetensors or checkpoint.pt (a training run) and no "
-                             f"config.json (a Hugging Face checkpoint)")
-        path = found[0]
-    model = model_from_checkpoint(path)
-    return model, BPETokenizer.load(tokenizer_path) if tokenizer_path else tokenizer_from_checkpoint(path)
-
-
-def hf_tokenizer(folder: Path, model: GPT) -> BPETokenizer:
-    """GPT-2's tokenizer for a GPT-2-family folder; other families need --tokenizer."""
-    if model.config.position != "learned":
-        raise ValueError(f"{folder} is a Llama-family checkpoint; llmscratch ships no tokenizer for it: "
-                         f"pass --tokenizer")
-    return BPETokenizer.gpt2()
-
-
-def check_vocabulary(model: GPT, tokenizer: BPETokenizer) -> None:
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
-                         f"{model.config.vocab_size:,}: they were not made for each other")
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         model, tokenizer = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
-        check_vocabulary(model, tokenizer)
     except ValueError as err:
         sys.exit(f"error: {err}")
     model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
@@ -123,7 +92,8 @@ def main(argv=None) -> None:
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     try:
         for piece in stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, eos_id=eos_id, generator=generator):
+                                 top_k=args.top_k, top_p=args.top_p, eos_id=eos_id, generator=generator,
+                                 compile=args.compile):
             print(piece, end="", flush=True)
     except ValueError as err:  # e.g. an --eos-id outside the vocabulary
         print(file=sys.stderr)

@@ -11,9 +11,15 @@ and sample.txt.
 """
 
 import argparse
+import contextlib
 import json
+import math
+import os
+import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +27,29 @@ import torch
 
 from llmscratch import distributed
 from llmscratch.assets import MOBY_DICK_PATH
-from llmscratch.checkpoint import export_model
+from llmscratch.atomic import remove_stale_temporaries, write_text_atomically
+from llmscratch.checkpoint import export_model, load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.data import load_token_meta, load_token_split
 from llmscratch.model import GPT, PRESETS, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
-from llmscratch.train import CHECKPOINT_FILE, DTYPES, TrainConfig, Trainer, TrainingDiverged, choose_dtype
+from llmscratch.train import (CHECKPOINT_FILE, DTYPES, TrainConfig, Trainer, TrainingDiverged, TrainingStopped,
+                              choose_dtype)
 
 RUN_FILE = "run.json"  # the flags of the run, so that --resume needs no others
 TOKENIZER_FILE = "tokenizer.json"
+FLOAT32_MAX = 3.4028234663852886e38  # the weights' precision: a larger learning rate overflows in the optimizer
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number that float32 can hold."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of at most {FLOAT32_MAX:.1e} "
+                                         f"(what float32 can hold)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,13 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="UTF-8 text file(s), or one folder of token files made by llmscratch.data."
                         "prepare_token_files (train.bin, val.bin, meta.json; for corpora too big for "
                         "memory). Default: the bundled Moby-Dick")
-    d.add_argument("--val-fraction", type=float, default=0.1,
+    d.add_argument("--val-fraction", type=finite_float, default=0.1,
                    help="text files only: the last fraction of the characters held out for validation "
                         "(default: %(default)s)")
     d.add_argument("--tokenizer", default="bpe:4096",
                    help="bpe:N trains a byte-level BPE of N tokens on the training split (text files only); "
                         "gpt2 is GPT-2's 50,257-token vocabulary; or the path of a tokenizer JSON saved "
-                        "by BPETokenizer.save (default: %(default)s: for this small model it beats "
+                        "by BPETokenizer.save, or a checkpoint.pt or model.safetensors that holds one "
+                        "(default: %(default)s: for this small model it beats "
                         "GPT-2's vocabulary in the same time, 1.99 against 2.14 bits per byte; "
                         "see benchmarks/RESULTS.md)")
     m = p.add_argument_group("model")
@@ -54,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer (default: %(default)s, 5.8M parameters with 4,096 tokens)")
     m.add_argument("--context-length", type=int, default=None,
                    help="tokens per training window (default: the preset's)")
-    m.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
+    m.add_argument("--dropout", type=finite_float, default=0.0, help="dropout probability (default: %(default)s)")
     t = p.add_argument_group("training")
     t.add_argument("--max-steps", type=int, default=800, help="optimizer steps (default: %(default)s)")
     t.add_argument("--batch-size", type=int, default=8,
@@ -62,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=int, default=1,
                    help="micro-steps per optimizer step: the global batch is batch-size x grad-accum x "
                         "processes sequences (default: %(default)s)")
-    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
-    t.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr / 10)")
+    t.add_argument("--lr", type=finite_float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--min-lr", type=finite_float, default=None, help="end of the cosine decay (default: lr / 10)")
     t.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps (default: %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=0.1,
+    t.add_argument("--weight-decay", type=finite_float, default=0.1,
                    help="AdamW weight decay on weight matrices (default: %(default)s)")
-    t.add_argument("--grad-clip", type=float, default=1.0,
+    t.add_argument("--grad-clip", type=finite_float, default=1.0,
                    help="clip the global gradient norm to this; 0 turns it off (default: %(default)s)")
     t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
@@ -77,14 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK "
                         "(default: %(default)s)")
     t.add_argument("--seed", type=int, default=1337, help="seed of the weights, data order and samples")
-    t.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+    t.add_argument("--time-budget", type=finite_float, default=None, metavar="MINUTES",
                    help="stop after this much training time (final evaluation and checkpoint included "
                         "in the run, not in the budget); the step count stays the schedule's length")
     r = p.add_argument_group("run folder, logging and checkpoints")
     r.add_argument("--out-dir", type=Path, default=Path("runs/pretrain"), help="run folder (default: %(default)s)")
     r.add_argument("--resume", action="store_true",
-                   help="continue the run in --out-dir from its checkpoint, with its flags (flags given "
-                        "now override them, e.g. a larger --max-steps)")
+                   help="continue the run in --out-dir from its checkpoint, with its flags and tokenizer (flags "
+                        "given now override them, e.g. a larger --max-steps); Ctrl-C or SIGTERM stops a run "
+                        "after the step under way with a checkpoint of it")
     r.add_argument("--overwrite", action="store_true", help="start afresh in an --out-dir that holds a run")
     r.add_argument("--eval-interval", type=int, default=100, help="steps between evaluations (default: %(default)s)")
     r.add_argument("--eval-tokens", type=int, default=16384,
@@ -97,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sample-prompt", default="Call me", help="prompt of the samples (default: %(default)r)")
     r.add_argument("--log-interval", type=int, default=10,
                    help="steps between tokens/s and MFU measurements (default: %(default)s)")
-    r.add_argument("--peak-tflops", type=float, default=None,
+    r.add_argument("--peak-tflops", type=finite_float, default=None,
                    help="peak TFLOP/s of one device for MFU (default: a table of GPUs, or this CPU measured once)")
     r.add_argument("--export-dtype", default="float32", choices=sorted(DTYPES),
                    help="precision of the weights in model.safetensors; bfloat16 halves the file "
@@ -111,14 +134,9 @@ def parse_args(argv: list[str] | None, dist: distributed.DistInfo | None = None)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.resume:
-        run_file = args.out_dir / RUN_FILE
         saved = None
         if dist is None or dist.is_main:  # multi-node: only rank 0 needs the run folder
-            if not (args.out_dir / CHECKPOINT_FILE).is_file() or not run_file.is_file():
-                saved = {"error": f"--resume: {args.out_dir} holds no run to resume (it needs {CHECKPOINT_FILE} "
-                                  f"and {RUN_FILE}, written by this script)"}
-            else:
-                saved = json.loads(run_file.read_text(encoding="utf-8"))
+            saved = read_run_flags(args.out_dir)
         saved = distributed.broadcast_object(saved)
         if "error" in saved:
             parser.error(saved["error"])
@@ -126,12 +144,45 @@ def parse_args(argv: list[str] | None, dist: distributed.DistInfo | None = None)
         defaults["data"] = [Path(path) for path in saved["data"]]
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
+        missing = [path for path in args.data if not path.exists()]
+        if missing and args.data == defaults["data"]:  # not a flag given now: say where it came from
+            parser.error(f"--resume: the run's --data {missing[0]} (as {RUN_FILE} recorded it) no longer exists; "
+                         f"pass --data with its new place")
     check_args(parser, args)
     return args
 
 
+def read_run_flags(out_dir: Path) -> dict:
+    """The flags of the run in ``out_dir``, with its own tokenizer; {"error": message} if there is no run.
+
+    run.json holds them; the checkpoint holds a copy, used when run.json is lost or damaged. The
+    tokenizer is the run's tokenizer.json, or the one in the checkpoint if that file is gone.
+    """
+    checkpoint, run_file = out_dir / CHECKPOINT_FILE, out_dir / RUN_FILE
+    if not checkpoint.is_file():
+        return {"error": f"--resume: {out_dir} holds no run to resume (it needs {CHECKPOINT_FILE} and {RUN_FILE}, "
+                         f"written by this script)"}
+    try:
+        flags = json.loads(run_file.read_text(encoding="utf-8"))
+        problem = None if isinstance(flags, dict) and "data" in flags else "does not hold a run's flags"
+    except FileNotFoundError:
+        problem = "is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = f"is unreadable ({err})"
+    if problem is not None:
+        try:
+            flags = load_checkpoint(checkpoint).get("run", {}).get("flags")
+        except ValueError as err:
+            return {"error": f"--resume: {run_file} {problem}, and {err}"}
+        if not isinstance(flags, dict) or "data" not in flags:
+            return {"error": f"--resume: {run_file} {problem}, and {checkpoint} holds no copy of the run's flags"}
+        print(f"note: {run_file} {problem}; resuming with the flags saved in {checkpoint}", file=sys.stderr)
+    own = out_dir / TOKENIZER_FILE
+    return {**flags, "tokenizer": str(own if own.is_file() else checkpoint)}
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """parser.error (a message and exit status 2) for any flag that cannot work."""
+    """parser.error (a message and exit status 2) for any flag that cannot work, before any work starts."""
     for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_tokens",
                  "checkpoint_interval", "sample_interval", "log_interval"):
         if getattr(args, name) < 1:
@@ -151,6 +202,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--context-length must be at least 2, got {args.context_length}")
     if args.time_budget == 0 or args.peak_tflops == 0:
         parser.error("--time-budget and --peak-tflops must be positive")
+    try:  # e.g. --dropout 1: found now, not after the tokenizer is trained (which sets the vocabulary)
+        context_length = model_config_for(args, vocab_size=1).context_length
+    except ValueError as err:
+        parser.error(f"--preset {args.preset} with these flags: {err}")
+    for name in ("eval_tokens", "final_eval_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < context_length + 1:
+            parser.error(f"--{name.replace('_', '-')} {value} is less than one evaluation window "
+                         f"(context length + 1 = {context_length + 1} tokens)")
     folders = [path for path in args.data if path.is_dir()]
     for path in args.data:
         if not path.exists():
@@ -165,8 +225,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--tokenizer {args.tokenizer}: expected bpe:N with N >= 257 (256 bytes + <|endoftext|>)")
     elif args.tokenizer not in ("gpt2", "auto") and not Path(args.tokenizer).is_file():
         parser.error(f"--tokenizer {args.tokenizer}: not bpe:N, gpt2, or an existing tokenizer JSON file")
-    if args.out_dir.exists() and not args.out_dir.is_dir():
-        parser.error(f"--out-dir {args.out_dir} is a file, not a folder")
+    check_out_dir(parser, args.out_dir)
     if (args.out_dir / CHECKPOINT_FILE).exists() and not (args.resume or args.overwrite):
         parser.error(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it, "
                      f"--overwrite to start again, or choose another --out-dir")
@@ -176,17 +235,35 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--device: {err}")
 
 
+def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path) -> None:
+    """The run folder is, or can be made, a writable folder (nothing is created yet)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        parser.error(f"--out-dir {out_dir} is a file, not a folder")
+    existing = next(path for path in (out_dir.absolute(), *out_dir.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        parser.error(f"--out-dir {out_dir}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):  # also false on a read-only filesystem
+        parser.error(f"--out-dir {out_dir}: {existing} is not writable (read-only filesystem or no permission)")
+
+
 # --------------------------------------------------------------------------- data
 def build_tokenizer(spec: str, train_text: str | None) -> BPETokenizer:
     if spec == "gpt2":
         return BPETokenizer.gpt2()
     if spec.startswith("bpe:"):
         return BPETokenizer.train(train_text, int(spec[4:]), special_tokens=[ENDOFTEXT], name=spec.replace(":", "-"))
+    if Path(spec).suffix in (".pt", ".safetensors"):
+        return tokenizer_from_checkpoint(spec)
     return BPETokenizer.load(spec)
 
 
 def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
-    """The tokenizer, the train and validation token arrays, and a line describing them."""
+    """The tokenizer, the train and validation token arrays, and a line describing them.
+
+    Splits too short for one window are a ValueError, found before the tokenizer is trained
+    when the text's bytes (at least as many as its tokens) already fall short.
+    """
+    context_length = model_config_for(args, vocab_size=1).context_length  # the vocabulary is not known yet
     if args.data[0].is_dir():
         folder = args.data[0]
         meta = load_token_meta(folder)
@@ -200,6 +277,7 @@ def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
         if tokenizer.vocab_size != meta["vocab_size"]:
             raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, but {folder} was made with "
                              f"{meta['vocab_size']}")
+        check_lengths(meta["num_tokens"]["train"], meta["num_tokens"]["val"], context_length, "tokens", folder)
         train, val = load_token_split(folder, "train"), load_token_split(folder, "val")
         return tokenizer, train, val, f"{folder}: {len(train):,} train and {len(val):,} validation tokens"
     texts = []
@@ -208,27 +286,54 @@ def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
             texts.append(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as err:
             raise ValueError(f"--data {path} is not UTF-8 text ({err})") from None
+    if not any(texts):
+        raise ValueError(f"--data {' '.join(map(str, args.data))}: no text (empty file{'s' * (len(texts) > 1)})")
     text = ENDOFTEXT.join(texts)  # documents separated by the end-of-text token
     split = int(len(text) * (1 - args.val_fraction))  # by characters, as nanoGPT's char-level recipe splits
     train_text, val_text = text[:split], text[split:]
+    # Every token holds at least one byte: too few bytes is too few tokens, known before any encoding.
+    check_lengths(len(train_text.encode("utf-8")), len(val_text.encode("utf-8")), context_length, "bytes",
+                  val_fraction=args.val_fraction)
     # One tokenizer for all: rank 0 trains (or reads) it, every process gets the same JSON.
     tokenizer_json = build_tokenizer(args.tokenizer, train_text).to_json() if dist.is_main else None
     tokenizer = BPETokenizer.from_json(distributed.broadcast_object(tokenizer_json))
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     train = np.array(tokenizer.encode(train_text, allowed_special="all"), dtype=dtype)
     val = np.array(tokenizer.encode(val_text, allowed_special="all"), dtype=dtype)
+    check_lengths(len(train), len(val), context_length, "tokens", val_fraction=args.val_fraction)
     n_bytes = len(text.encode("utf-8"))
     bytes_per_token = n_bytes / (len(train) + len(val))
     return tokenizer, train, val, (f"{len(args.data)} text file(s), {n_bytes:,} bytes: {len(train):,} train and "
                                    f"{len(val):,} validation tokens ({bytes_per_token:.2f} bytes/token)")
 
 
-def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[GPTConfig, TrainConfig]:
-    vocab_size = -(-tokenizer.vocab_size // 64) * 64  # a multiple of 64: faster matrix multiplies on GPUs
+def check_lengths(n_train: int, n_val: int, context_length: int, unit: str = "tokens", folder: Path | None = None,
+                  val_fraction: float | None = None) -> None:
+    """ValueError, with advice that helps, when a split is shorter than one window of context_length + 1 tokens."""
+    for name, count in (("training", n_train), ("validation", n_val)):
+        if count < context_length + 1:
+            if folder is not None:
+                fix = (f"make {folder} again from more text (or another val_fraction) with "
+                       f"llmscratch.data.prepare_token_files, or use a smaller --context-length")
+            else:
+                other = "smaller" if name == "training" else "larger"
+                fix = (f"use more text, a smaller --context-length, or a {other} --val-fraction "
+                       f"(now {val_fraction}) if the other split can spare it")
+            raise ValueError(f"the {name} split has {count:,} {unit}, fewer than one window of context length "
+                             f"+ 1 = {context_length + 1} tokens; {fix}")
+
+
+def model_config_for(args, vocab_size: int) -> GPTConfig:
+    """The model the flags describe, for a vocabulary of ``vocab_size`` ids."""
     overrides = {"vocab_size": vocab_size, "dropout": args.dropout}
     if args.context_length is not None:
         overrides["context_length"] = args.context_length
-    model_config = GPTConfig.from_preset(args.preset, **overrides)
+    return GPTConfig.from_preset(args.preset, **overrides)
+
+
+def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[GPTConfig, TrainConfig]:
+    vocab_size = -(-tokenizer.vocab_size // 64) * 64  # a multiple of 64: faster matrix multiplies on GPUs
+    model_config = model_config_for(args, vocab_size)
     train_config = TrainConfig(
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.lr / 10 if args.min_lr is None else args.min_lr, warmup_steps=args.warmup_steps,
@@ -242,21 +347,17 @@ def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[
     return model_config, train_config
 
 
-def check_lengths(train: np.ndarray, val: np.ndarray, context_length: int) -> None:
-    for name, tokens in (("training", train), ("validation", val)):
-        if len(tokens) < context_length + 1:
-            raise ValueError(f"the {name} split has {len(tokens):,} tokens, fewer than one window of "
-                             f"context length + 1 = {context_length + 1}; use more text, a larger "
-                             f"--val-fraction or a smaller --context-length")
-
-
-def save_run_files(args, tokenizer: BPETokenizer) -> None:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(args.out_dir / TOKENIZER_FILE)
+def run_flags(args) -> dict:
+    """The flags to record (run.json, and a copy in the checkpoint) as plain JSON data."""
     flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     flags["data"] = [str(p) for p in args.data]
     flags["tokenizer"] = str(args.out_dir / TOKENIZER_FILE)  # a resumed run reuses this very tokenizer
-    (args.out_dir / RUN_FILE).write_text(json.dumps(flags, indent=2) + "\n", encoding="utf-8")
+    return json.loads(json.dumps(flags))
+
+
+def save_run_files(out_dir: Path, flags: dict, tokenizer: BPETokenizer) -> None:
+    tokenizer.save(out_dir / TOKENIZER_FILE)
+    write_text_atomically(out_dir / RUN_FILE, json.dumps(flags, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- main
@@ -267,18 +368,49 @@ def main(argv: list[str] | None = None) -> int:
         dist = distributed.setup(first.device)
     except ValueError as err:
         build_parser().error(f"--device: {err}")
+    try:
+        return run(argv, dist, start)
+    except BaseException as err:
+        # A traceback keeps its frames' locals (the Trainer and its DDP wrapper) alive; they must go
+        # before the process group does, or freeing them at exit can hang (see distributed.teardown).
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        distributed.teardown()
+
+
+def run(argv: list[str] | None, dist: distributed.DistInfo, start: float) -> int:
+    """The whole run but joining and leaving the process group; returns the exit status."""
     args = parse_args(argv, dist)
     say = print if dist.is_main else (lambda *a, **k: None)
     try:
         tokenizer, train, val, described = load_data(args, dist)
         model_config, train_config = build_configs(args, tokenizer, dist.device)
-        check_lengths(train, val, model_config.context_length)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if dist.is_main:
-        save_run_files(args, tokenizer)  # on --resume too: flags given now (a larger --max-steps) stick
     say(f"data: {described}")
+    result = train_and_export(args, dist, tokenizer, train, val, model_config, train_config, say)
+    if isinstance(result, int):
+        return result
+    minutes, seconds = divmod(time.perf_counter() - start, 60)
+    say(f"done in {int(minutes)}m{seconds:02.0f}s: {result['steps']} steps, "
+        f"{result['tokens_seen'] / 1e6:.2f}M tokens "
+        f"| val loss {result['val_loss']:.3f} nats/token, perplexity {result['val_perplexity']:.1f}, "
+        f"{result['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: checkpoint.pt, model.safetensors, "
+        f"loss.png, metrics.jsonl, summary.json, sample.txt")
+    return 0
+
+
+def train_and_export(args, dist, tokenizer, train, val, model_config, train_config, say) -> dict | int:
+    """Train (or resume) and write model.safetensors; the summary, or an exit status on failure.
+
+    The model and the Trainer (with its DDP wrapper) live only in here: they are gone when it
+    returns, before the process group is left.
+    """
+    checkpoint = args.out_dir / CHECKPOINT_FILE
+    if dist.is_main:
+        remove_stale_temporaries(checkpoint)  # left by a process killed mid-save
     torch.manual_seed(args.seed)  # the same initial weights on every process
     model = GPT(model_config)
     say(f"model: {args.preset}, {model.num_params():,} parameters, context {model_config.context_length}, "
@@ -286,29 +418,59 @@ def main(argv: list[str] | None = None) -> int:
         f"{train_config.dtype}{', compiled' if train_config.compile else ''}, "
         f"{train_config.batch_size * train_config.grad_accum * dist.world_size * model_config.context_length:,} "
         f"tokens per step")
+    flags = run_flags(args)
     trainer = Trainer(model, train_config, train, val, args.out_dir, tokenizer, dist,
-                      run_info={"flags": json.loads((args.out_dir / RUN_FILE).read_text()) if dist.is_main else None})
+                      run_info={"flags": flags if dist.is_main else None})
+
+    def record_run() -> None:  # only once a resumed checkpoint is accepted: a refused --resume changes nothing
+        if dist.is_main:  # on --resume too: flags given now (a larger --max-steps) stick
+            save_run_files(args.out_dir, flags, tokenizer)
+
     try:
-        summary = trainer.fit(resume=args.resume, progress=not args.no_progress)
+        with stop_on_signals(trainer, say):
+            summary = trainer.fit(resume=args.resume, progress=not args.no_progress, on_start=record_run)
+        if dist.is_main:
+            export_model(trainer.raw_model, args.out_dir / "model.safetensors", tokenizer, DTYPES[args.export_dtype])
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except ValueError as err:  # a checkpoint that does not fit this run
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        say(f"\ninterrupted at step {trainer.step}; continue with --resume --out-dir {args.out_dir}")
+    except OSError as err:  # e.g. a full disk: the message says where, and what was kept
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except TrainingStopped as stopped:
+        say(f"\ninterrupted: {checkpoint} holds step {stopped.step}; --resume --out-dir {args.out_dir} "
+            f"restarts from step {stopped.step}")
         return 130
-    if dist.is_main:
-        export_model(trainer.raw_model, args.out_dir / "model.safetensors", tokenizer, DTYPES[args.export_dtype])
-    minutes, seconds = divmod(time.perf_counter() - start, 60)
-    say(f"done in {int(minutes)}m{seconds:02.0f}s: {summary['steps']} steps, "
-        f"{summary['tokens_seen'] / 1e6:.2f}M tokens "
-        f"| val loss {summary['val_loss']:.3f} nats/token, perplexity {summary['val_perplexity']:.1f}, "
-        f"{summary['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: checkpoint.pt, model.safetensors, "
-        f"loss.png, metrics.jsonl, summary.json, sample.txt")
-    distributed.teardown()
-    return 0
+    except KeyboardInterrupt:
+        restart = (f"--resume --out-dir {args.out_dir} restarts from step {trainer.saved_step}, its last checkpoint"
+                   if trainer.saved_step is not None else "no checkpoint was written, so there is nothing to resume")
+        say(f"\ninterrupted at step {trainer.step}; {restart}")
+        return 130
+    return summary
+
+
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer, say):
+    """Ctrl-C (SIGINT) or SIGTERM: finish the step under way, save it and stop; a second one stops at once."""
+    def handle(signum, frame):
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        trainer.request_stop()
+        say(f"\n{signal.Signals(signum).name}: stopping at the end of the step under way, with a checkpoint "
+            f"(send it again to stop at once, without one)")
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Finetune a pretrained GPT into a spam classifier on the bundled SMS Spam Collection.
+"""Finetune a pretrained GPT into a spam classifier on the bundled SMS Spam Collection (or --data).
 
     python ch05-finetuning/finetune_classifier.py              # from the bundled model of ch04's default run
     python ch05-finetuning/finetune_classifier.py --lora --lora-rank 8
@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.assets import SMS_SPAM_PATH
 from llmscratch.classify import (
     SPAM_LABELS, Classifier, GPTClassifier, classification_loss, evaluate_classifier, make_batches, spam_splits,
 )
 from llmscratch.finetune import (
-    FinetuneConfig, add_arguments, config_from_args, end_of_text_id, fit, load_base, pick_device, set_trainable,
+    FinetuneConfig, add_arguments, check_arguments, config_from_args, end_of_text_id, fit, load_base,
+    set_trainable,
 )
 from llmscratch.lora import lora_layers, merge_lora, save_adapters
 
@@ -34,15 +36,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser, DEFAULTS)
+    parser.add_argument("--data", type=Path, default=SMS_SPAM_PATH,
+                        help="the labelled messages: one 'ham<TAB>text' or 'spam<TAB>text' per line "
+                             "(default: the bundled SMS Spam Collection)")
     parser.add_argument("--max-length", type=int, default=128,
                         help="tokens kept per message (longer ones are cut; at most the model's context length)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/classifier"), help="the run folder")
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 32 training messages, 1 epoch, 32 tokens per message")
     args = parser.parse_args(argv)
-    if not args.base.exists():
-        parser.error(f"--base {args.base}: no such file or folder (expected a model.safetensors or "
-                     "checkpoint.pt of ch04-pretraining/pretrain.py, or a Hugging Face GPT-2 folder)")
+    check_arguments(parser, args)
+    if not args.data.is_file():
+        parser.error(f"--data {args.data}: no such file")
     if args.max_length < 1:
         parser.error(f"--max-length must be at least 1, got {args.max_length}")
     return args
@@ -81,12 +86,12 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     start = time.perf_counter()
-    device = pick_device(args.device)
+    device = args.device
     torch.manual_seed(config.seed)
-    gpt, tokenizer = load_base(args.base, device)
+    splits = spam_splits(seed=config.seed, path=args.data)  # a malformed file fails before the model loads
+    gpt, tokenizer = load_base(args.base, device, args.tokenizer)
     pad_id = end_of_text_id(tokenizer)
     max_length = min(args.max_length, gpt.config.context_length)
-    splits = spam_splits(seed=config.seed)
     if args.test_mode:
         splits = {"train": splits["train"][:32], "validation": splits["validation"][:16], "test": splits["test"][:16]}
         config.epochs, max_length = 1, min(max_length, 32)

@@ -23,7 +23,8 @@ import torch
 from llmscratch.assets import INSTRUCTIONS_PATH
 from llmscratch.checkpoint import export_model
 from llmscratch.finetune import (
-    FinetuneConfig, add_arguments, config_from_args, end_of_text_id, fit, load_base, pick_device, set_trainable,
+    FinetuneConfig, add_arguments, check_arguments, config_from_args, end_of_text_id, fit, load_base,
+    set_trainable,
 )
 from llmscratch.instruct import (
     comparison_table, encode_records, evaluate_responses, lm_loss, make_batches, respond, response_loss,
@@ -49,9 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a smoke test in seconds: 2 training records per family, 1 epoch, "
                              "1 test record per family")
     args = parser.parse_args(argv)
-    if not args.base.exists():
-        parser.error(f"--base {args.base}: no such file or folder (expected a model.safetensors or "
-                     "checkpoint.pt of ch04-pretraining/pretrain.py, or a Hugging Face GPT-2 folder)")
+    check_arguments(parser, args)
     if not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     if args.max_new_tokens < 1:
@@ -97,16 +96,21 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     start = time.perf_counter()
-    device = pick_device(args.device)
+    device = args.device
     torch.manual_seed(config.seed)
     splits = read_splits(args.data, args.test_mode)
     if args.test_mode:
         config.epochs = 1
         args.max_new_tokens = min(args.max_new_tokens, 8)
-    model, tokenizer = load_base(args.base, device)
+    model, tokenizer = load_base(args.base, device, args.tokenizer)
     eos_id = end_of_text_id(tokenizer)
     max_length = model.config.context_length
-    encoded = {name: encode_records(split, tokenizer) for name, split in splits.items()}
+    encoded = {}
+    for name, split in splits.items():  # every record must fit whole: no answer is cut, no row dropped
+        try:
+            encoded[name] = encode_records(split, tokenizer, max_length)
+        except ValueError as err:
+            raise ValueError(f"{args.data}, {name!r} split: {err}") from None
     print(f"{args.base}: {model.num_params():,} parameters; records per split: "
           + ", ".join(f"{name} {len(split)}" for name, split in splits.items()))
     dtype = config.torch_dtype

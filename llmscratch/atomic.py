@@ -3,13 +3,26 @@
 Everything the package saves (checkpoints, model exports, tokenizers, adapters, caches) goes
 through here: the data goes to a temporary file in the same folder, is flushed to disk, and is
 then renamed over the target. A reader, or a run resumed after a crash, sees the old file or
-the new one, never a mixture.
+the new one, never a mixture. A full disk is reported as such, naming the file and the folder.
 """
 
+import errno
 import os
+import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+# What torch.save says when the disk fills under it (its zip writer reports no errno).
+_TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed")
+
+
+class DiskFullError(OSError):
+    """No space was left to write a file; the file that was there before is unchanged."""
+
+    def __str__(self) -> str:
+        return self.strerror  # the message alone: it names the file, the folder and what was kept
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -24,8 +37,10 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> N
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if _is_disk_full(err):
+            raise _disk_full(path) from err
         raise
     try:  # make the rename itself survive a power cut
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -40,3 +55,50 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> N
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """``Path(path).write_text(text)`` in UTF-8, atomically."""
     write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries of ``path`` that killed processes left behind; return them.
+
+    Only files named as ``write_atomically`` names the temporaries of this very ``path``, and
+    only those of processes that no longer run (a live writer's file is left alone).
+    """
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    removed = []
+    for candidate in path.parent.iterdir() if path.parent.is_dir() else []:
+        match = pattern.fullmatch(candidate.name)
+        if match and candidate.is_file() and not _process_runs(int(match.group(1))):
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process is not writing anything while it cleans up
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in _TORCH_WRITE_FAILURES)
+
+
+def _disk_full(path: Path) -> DiskFullError:
+    folder = path.parent.resolve()
+    try:
+        free = f"{shutil.disk_usage(folder).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    kept = (f"the previous {path.name} there is kept unchanged" if path.exists()
+            else f"no {path.name} was written")
+    return DiskFullError(errno.ENOSPC, f"the disk is full: no space left to write {path.name} in {folder} "
+                                       f"({free}); {kept}. Free some space and try again")

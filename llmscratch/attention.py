@@ -4,6 +4,11 @@ Two paths compute the same thing. The explicit one writes out scores, mask, soft
 sum; it is the one to read and the reference the tests hold the other to. The fused one calls
 ``F.scaled_dot_product_attention``, which picks flash / memory-efficient kernels on CUDA and a
 fused kernel on CPU, and never stores the (T, T) weights.
+
+A KV cache is used in one of two ways. With ``start_pos`` (an int) new keys are appended and
+attention reads the filled part only, whose length grows step by step. With ``input_pos`` (a
+tensor of positions) they are written in place and attention reads the whole cache, masked to
+the filled positions: the shapes never change, so ``torch.compile`` compiles a decoding step once.
 """
 
 import math
@@ -24,12 +29,22 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> 
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
 
 
+def positions_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """(T, kv_len) booleans, True where the query at position input_pos[t] may look at key position s.
+
+    A key is visible when it is not after the query: that hides the future inside a chunk and the
+    positions of a fixed-size cache that nothing has been written to yet.
+    """
+    return torch.arange(kv_len, device=input_pos.device) <= input_pos[:, None]  # (T, kv_len)
+
+
 def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention written out; returns the context (B, nh, T, hs) and weights (B, nh, T, S).
 
     q has nh heads, k and v have n_kv heads; query head h reads key/value head h // (nh // n_kv).
+    mask (T, S): True where a query may look at a key; default ``causal_mask`` (bottom-right).
     """
     group_size = q.size(1) // k.size(1)
     k = k.repeat_interleave(group_size, dim=1)  # (B, nh, S, hs)
@@ -37,7 +52,8 @@ def explicit_attention(
     # Dividing by sqrt(hs) keeps the scores' variance near 1 whatever the head size, so the
     # softmax starts out soft instead of nearly one-hot (which would starve the gradients).
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
-    mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (T, S)
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (T, S)
     scores = scores.masked_fill(~mask, float("-inf"))  # exp(-inf) = 0: the future gets no weight
     weights = torch.softmax(scores, dim=-1)  # (B, nh, T, S), each row sums to 1
     weights = F.dropout(weights, p=dropout_p)  # identity when dropout_p == 0
@@ -45,14 +61,16 @@ def explicit_attention(
 
 
 def fused_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The same causal attention through scaled_dot_product_attention; returns (B, nh, T, hs)."""
     q_len, kv_len = q.size(-2), k.size(-2)
     # SDPA's is_causal aligns its triangle top-left, right only when queries and keys start at
     # the same position. One new token may see every cached key (no mask at all); a chunk
     # appended after cached keys needs the bottom-right mask spelled out.
-    if q_len == kv_len:
+    if mask is not None:
+        is_causal = False
+    elif q_len == kv_len:
         mask, is_causal = None, True
     elif q_len == 1:
         mask, is_causal = None, False
@@ -122,10 +140,26 @@ class KVCache:
         self.values[:batch_size, :, start_pos:end] = values
         return self.keys[:batch_size, :, :end], self.values[:batch_size, :, :end]  # (B, n_kv, end, hs)
 
-    def reset(self) -> None:
-        """Zero the stored keys and values, ready for a new batch of prompts."""
-        self.keys.zero_()
-        self.values.zero_()
+    def write(
+        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values (B, n_kv, T, hs) at the positions input_pos (T,); return the whole cache.
+
+        The result (B, n_kv, max_seq_len, hs) has the same shape at every step; attention must hide
+        the positions not written yet (``positions_mask``). The positions are not checked here (that
+        would read them back from the device at every step): the caller keeps them below max_seq_len.
+        """
+        batch_size = keys.size(0)
+        if batch_size > self.batch_size or keys.shape[1::2] != self.keys.shape[1::2]:
+            raise ValueError(
+                f"keys of shape {tuple(keys.shape)} do not fit a KVCache of shape {tuple(self.keys.shape)} "
+                f"(batch_size, n_kv_heads, max_seq_len, head_dim)"
+            )
+        # Under autocast the projections come out in bf16/fp16; the cache keeps its own dtype (as a slice
+        # assignment would), so that the same cache serves eager and autocast steps alike.
+        self.keys[:batch_size].index_copy_(2, input_pos, keys.to(self.keys.dtype))
+        self.values[:batch_size].index_copy_(2, input_pos, values.to(self.values.dtype))
+        return self.keys[:batch_size], self.values[:batch_size]  # (B, n_kv, T_max, hs)
 
 
 class MultiHeadAttention(nn.Module):
@@ -182,16 +216,23 @@ class MultiHeadAttention(nn.Module):
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
         need_weights: bool = False,
+        *,
+        input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend over x (B, T, d_in), whose tokens sit at positions start_pos..start_pos+T-1.
 
         rope: rotate queries and keys (a table the model shares across layers).
         kv_cache: this layer's cache; x is appended at start_pos and attends to all of 0..start_pos+T-1.
+        input_pos: instead of start_pos, the positions (T,) of x's tokens as a tensor, with kv_cache:
+        x is written there and attends to the whole cache, masked to the positions up to its own
+        (``KVCache.write``), so the shapes are the same at every decoding step.
         need_weights: also return the weights (B, nh, T, S) actually used (explicit path only).
         Returns (B, T, d_out), or (output, weights) when need_weights.
         """
         if need_weights and self.fused:
             raise ValueError("need_weights=True needs fused=False: the fused kernel never forms the weights")
+        if input_pos is not None and kv_cache is None:
+            raise ValueError("input_pos needs a kv_cache: it says where in the cache x is written")
         batch_size, seq_len, _ = x.shape
         q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)  # (B, T, nh*hs), (B, T, n_kv*hs) x2
         q = q.view(batch_size, seq_len, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -199,15 +240,19 @@ class MultiHeadAttention(nn.Module):
         v = v.view(batch_size, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
         if rope is not None:
             # Rotating before caching: a cached key keeps the angle of the position it was made at.
-            q = rope(q, start_pos)
-            k = rope(k, start_pos)
-        if kv_cache is not None:
+            q = rope(q, start_pos, positions=input_pos)
+            k = rope(k, start_pos, positions=input_pos)
+        mask = None
+        if input_pos is not None:
+            k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs) with S = the cache's max_seq_len
+            mask = positions_mask(input_pos, k.size(-2))  # (T, S)
+        elif kv_cache is not None:
             k, v = kv_cache.update(k, v, start_pos)  # (B, n_kv, S, hs) with S = start_pos + T
         dropout_p = self.dropout if self.training else 0.0
         if self.fused:
-            context = fused_attention(q, k, v, dropout_p)  # (B, nh, T, hs)
+            context = fused_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs)
         else:
-            context, weights = explicit_attention(q, k, v, dropout_p)  # (B, nh, T, hs), (B, nh, T, S)
+            context, weights = explicit_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs), (B, nh, T, S)
         context = context.transpose(1, 2).reshape(batch_size, seq_len, self.d_out)  # (B, T, d_out)
         out = self.out_proj(context)  # (B, T, d_out)
         return (out, weights) if need_weights else out

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from llmscratch.atomic import write_atomically
@@ -93,14 +94,28 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}")
+    if _is_safetensors(path):
+        raise ValueError(f"{path} is a safetensors file (a model export?), not a training checkpoint; expected "
+                         f"the checkpoint.pt of a run (a model export loads with model_from_checkpoint)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"{path} is not a readable llmscratch checkpoint: {err}") from None
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "weights_only" in str(err):  # its advice (weights_only=False) would run the file's pickled code
+            reason = "it holds objects other than tensors and plain containers"
+        raise ValueError(f"{path} is not a readable llmscratch checkpoint ({reason}); expected a checkpoint.pt "
+                         f"written by save_checkpoint") from None
     if (not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT
             or "model" not in state or "model_config" not in state):
         raise ValueError(f"{path} is not an llmscratch checkpoint (no 'model' and 'model_config')")
     return state
+
+
+def _is_safetensors(path: Path) -> bool:
+    """True when the file starts as safetensors files do: an 8-byte header length, then a JSON object."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= path.stat().st_size
 
 
 def config_from_dict(saved: dict[str, Any], source: str = "the checkpoint") -> GPTConfig:
@@ -168,16 +183,26 @@ def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokeni
     write_atomically(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def _read_export(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
+def read_safetensors(path: str | os.PathLike, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors (on the CPU; none if ``tensors`` is false) of a safetensors file.
 
+    A missing, truncated or foreign file is a ValueError naming it: opening checks that the
+    header is whole and that the file covers every tensor it lists.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no safetensors file at {path}")
     try:
         with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+            return f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
+    except (SafetensorError, OSError) as err:  # e.g. "incomplete metadata, file not fully covered"
+        raise ValueError(f"{path} is not a readable safetensors file (truncated, corrupt, or not a safetensors "
+                         f"file at all: {err}); "
+                         "copy or download it again") from None
+
+
+def _read_export(path: Path, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    metadata, tensors = read_safetensors(path, tensors)
     if metadata.get("format") != EXPORT_FORMAT:
         raise ValueError(f"{path} is not an llmscratch model export (its metadata has no format {EXPORT_FORMAT!r})")
     return metadata, tensors
@@ -208,7 +233,7 @@ def tokenizer_from_checkpoint(path: str | os.PathLike) -> BPETokenizer:
     if path.suffix == ".safetensors":
         if not path.is_file():
             raise ValueError(f"no model export at {path}")
-        text = _read_export(path)[0].get("tokenizer")
+        text = _read_export(path, tensors=False)[0].get("tokenizer")
     else:
         text = load_checkpoint(path).get("tokenizer")
     if text is None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.assets import read_sms_spam
+from llmscratch.assets import SMS_SPAM_PATH
 from llmscratch.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from llmscratch.lora import lora_layers
 from llmscratch.model import GPT, GPTConfig
@@ -27,11 +27,12 @@ SPAM_LABELS = ("ham", "spam")  # class 0, class 1 (the positive class)
 
 # --------------------------------------------------------------------------- data
 def balanced_splits(examples: Sequence[tuple[str, int]], fractions: Sequence[float] = (0.7, 0.1, 0.2),
-                    seed: int = 123) -> dict[str, list[tuple[str, int]]]:
+                    seed: int = 123, names: Sequence[str] | None = None) -> dict[str, list[tuple[str, int]]]:
     """Train/validation/test splits with every class equally often in each.
 
     Duplicate texts are dropped first (so no text sits in two splits), then every class is
-    cut down to the size of the smallest one by a seeded random choice.
+    cut down to the size of the smallest one by a seeded random choice. ValueError if a class
+    is too small to put one example in every split; ``names`` (one per class) label the message.
     """
     if len(fractions) != 3 or any(f <= 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-9:
         raise ValueError(f"fractions must be three positive numbers summing to 1, got {tuple(fractions)}")
@@ -40,10 +41,21 @@ def balanced_splits(examples: Sequence[tuple[str, int]], fractions: Sequence[flo
         by_class.setdefault(label, []).append(text)
     if len(by_class) < 2:
         raise ValueError(f"need examples of at least two classes, got classes {sorted(by_class)}")
-    rng = random.Random(seed)
+
+    def sizes(per_class: int) -> tuple[int, int, int]:  # examples of each class in train, validation, test
+        n_train, n_val = int(fractions[0] * per_class), int(fractions[1] * per_class)
+        return n_train, n_val, per_class - n_train - n_val
+
     per_class = min(len(texts) for texts in by_class.values())
+    if min(sizes(per_class)) < 1:
+        needed = next(k for k in range(per_class, 10**6) if min(sizes(k)) >= 1)
+        counts = " and ".join(f"{len(by_class[label]):,} {names[label] if names else f'of class {label}'}"
+                              for label in sorted(by_class))
+        raise ValueError(f"too few examples: {counts} (distinct texts); every class needs at least {needed} "
+                         f"to give each split (fractions {tuple(fractions)}) one example of it")
+    rng = random.Random(seed)
     splits: dict[str, list[tuple[str, int]]] = {"train": [], "validation": [], "test": []}
-    n_train, n_val = int(fractions[0] * per_class), int(fractions[1] * per_class)
+    n_train, n_val, _ = sizes(per_class)
     for label in sorted(by_class):
         texts = rng.sample(sorted(by_class[label]), per_class)
         splits["train"] += [(t, label) for t in texts[:n_train]]
@@ -54,9 +66,39 @@ def balanced_splits(examples: Sequence[tuple[str, int]], fractions: Sequence[flo
     return splits
 
 
-def spam_splits(seed: int = 123) -> dict[str, list[tuple[str, int]]]:
-    """Balanced 70/10/20 splits of the bundled SMS Spam Collection (label 1 = spam)."""
-    return balanced_splits([(text, SPAM_LABELS.index(label)) for label, text in read_sms_spam()], seed=seed)
+def read_labelled_texts(path: str | os.PathLike, labels: Sequence[str]) -> list[tuple[str, int]]:
+    """(text, index of its label in ``labels``) per line of a ``label<TAB>text`` file.
+
+    Empty lines are skipped; ValueError naming the file and line of anything else malformed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no labelled text file at {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: texts may hold \x0c etc.
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text: {err}") from None
+    examples = []
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        label, tab, text = line.partition("\t")
+        if not tab:
+            raise ValueError(f"{path}, line {number}: no tab in {line[:40]!r}; expected label<TAB>text "
+                             f"with a label in {tuple(labels)}")
+        if label not in labels:
+            raise ValueError(f"{path}, line {number}: label {label[:40]!r} is not one of {tuple(labels)}")
+        if not text.strip():
+            raise ValueError(f"{path}, line {number}: the text after the label is empty")
+        examples.append((text, labels.index(label)))
+    if not examples:
+        raise ValueError(f"{path} holds no labelled lines (expected label<TAB>text per line)")
+    return examples
+
+
+def spam_splits(seed: int = 123, path: str | os.PathLike = SMS_SPAM_PATH) -> dict[str, list[tuple[str, int]]]:
+    """Balanced 70/10/20 splits of the bundled SMS Spam Collection, or of another ham/spam TSV (1 = spam)."""
+    return balanced_splits(read_labelled_texts(path, SPAM_LABELS), seed=seed, names=SPAM_LABELS)
 
 
 def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,11 @@ Two ways to feed a model, from small to large:
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -115,7 +117,8 @@ def prepare_token_files(
 
     Each file is a document; documents are joined by the tokenizer's end-of-text id when it
     has one. The validation split is the last ``val_fraction`` of the whole corpus's tokens
-    (with several files, mostly the last ones), as in taking the end of a book.
+    (with several files, mostly the last ones), as in taking the end of a book. Every input
+    is checked first and the files are written aside: a failure leaves ``out_dir`` as it was.
     """
     paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     if not paths:
@@ -124,15 +127,53 @@ def prepare_token_files(
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     if block_chars < 1:
         raise ValueError(f"block_chars must be >= 1, got {block_chars}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {out_dir} is a file, not a folder")
+    for path in paths:
+        _check_text_file(path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written in a folder of its own inside out_dir (the same filesystem: the renames are atomic).
+    work = Path(tempfile.mkdtemp(prefix=".prepare-", suffix=".tmp", dir=out_dir))
+    try:
+        meta = _write_token_files(paths, work, tokenizer, val_fraction, block_chars)
+        # meta.json goes first and comes back last: a folder with a meta.json holds complete token files.
+        (out_dir / META_FILE).unlink(missing_ok=True)
+        for split in SPLITS:
+            os.replace(work / f"{split}.bin", out_dir / f"{split}.bin")
+        os.replace(work / META_FILE, out_dir / META_FILE)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return meta
+
+
+def _check_text_file(path: Path) -> None:
+    """ValueError unless ``path`` is a UTF-8 text file (read through once, in blocks)."""
+    if not path.is_file():
+        raise ValueError(f"{path}: {'a folder' if path.is_dir() else 'no such file'}; expected a UTF-8 text file")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as file:
+        while block := file.read(1 << 20):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path} is not UTF-8 text (near byte {offset + err.start:,}: {err.reason}); "
+                                 f"expected a UTF-8 text file") from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (it ends inside a character); expected a UTF-8 text file") from None
+
+
+def _write_token_files(paths: list[Path], out_dir: Path, tokenizer: Tokenizer, val_fraction: float,
+                       block_chars: int) -> dict[str, Any]:
+    """Write train.bin, val.bin and then meta.json into the (new, empty) folder ``out_dir``."""
     n_vocab = tokenizer.n_vocab
     # uint16 halves the file (and the disk reads) whenever every id fits in 16 bits.
     dtype = np.dtype(np.uint16 if n_vocab <= 2**16 else np.uint32)
     eot_token = getattr(tokenizer, "eot_token", None)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # A stale meta.json would describe the old .bin files if this run fails half way.
-    (out_dir / META_FILE).unlink(missing_ok=True)
     train_path, val_path = out_dir / "train.bin", out_dir / "val.bin"
 
     # Stream every token into train.bin; its tail moves to val.bin once the total is known.
@@ -166,7 +207,6 @@ def prepare_token_files(
         "val_fraction": val_fraction,
         "source_files": [str(path) for path in paths],
     }
-    # Written last: a folder with a meta.json holds complete token files.
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
 
@@ -215,16 +255,16 @@ def load_token_meta(folder: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"no {path}: run prepare_token_files on the text files first")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-        dtype, counts = meta["dtype"], meta["num_tokens"]
+        dtype, counts, vocab_size = meta["dtype"], meta["num_tokens"], meta["vocab_size"]
         valid = dtype in ("uint16", "uint32") and all(
             isinstance(counts[split], int) and counts[split] >= 1 for split in SPLITS
-        )
+        ) and isinstance(vocab_size, int) and vocab_size >= 1
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is corrupt ({error!r}); run prepare_token_files again") from error
     if not valid:
         raise ValueError(
-            f"{path} is corrupt: dtype={dtype!r}, num_tokens={counts!r}; expected dtype uint16 or "
-            f"uint32 and a positive integer count for each of {SPLITS}"
+            f"{path} is corrupt: dtype={dtype!r}, num_tokens={counts!r}, vocab_size={vocab_size!r}; expected "
+            f"dtype uint16 or uint32, a positive integer count for each of {SPLITS} and a positive vocab_size"
         )
     return meta
 
@@ -243,7 +283,26 @@ def load_token_split(folder: str | os.PathLike, split: str) -> np.memmap:
             f"{path} has {n_bytes} bytes, but meta.json promises {n_tokens} {dtype.name} tokens "
             f"({n_tokens * dtype.itemsize} bytes); run prepare_token_files again"
         )
-    return np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,))
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,))
+    check_token_ids(tokens, meta["vocab_size"], path)
+    return tokens
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, source: str | os.PathLike,
+                    block: int = 1 << 24) -> None:
+    """ValueError naming ``source`` and the first id outside ``0..vocab_size - 1``, if there is one.
+
+    One pass over the array in blocks: a memory map is read, never copied whole.
+    """
+    for start in range(0, len(tokens), block):
+        ids = np.asarray(tokens[start : start + block])
+        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+            position = start + int(np.argmax((ids >= vocab_size) | (ids < 0)))
+            raise ValueError(
+                f"{source} holds token id {int(tokens[position])} at position {position:,}, outside the "
+                f"vocabulary of {vocab_size} ids (0..{vocab_size - 1}); were these files made with "
+                f"another tokenizer? Run prepare_token_files again"
+            )
 
 
 class RandomWindowBatches:

@@ -5,6 +5,7 @@ process; without them everything here degrades to a single process, and every co
 below is a no-op that returns its input.
 """
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -81,7 +82,15 @@ def setup(device_name: str = "auto") -> DistInfo:
 
 
 def teardown() -> None:
+    """Leave the process group. Call it after every DDP wrapper (and Trainer holding one) is gone.
+
+    Order matters: a DDP reducer that outlives ``destroy_process_group`` is freed later, at exit,
+    and freeing it frees the gloo group, whose destructor joins gloo's worker thread while holding
+    the GIL; if that thread is waiting for the GIL to drop a Python object, the process hangs.
+    So collect what is already garbage first, then destroy the group while nothing else holds it.
+    """
     if dist.is_initialized():
+        gc.collect()  # wrappers kept alive only by reference cycles go now, not at interpreter exit
         dist.destroy_process_group()
 
 

@@ -2,7 +2,7 @@
 
 The two tasks live beside this module: ``llmscratch.classify`` (a spam classifier) and
 ``llmscratch.instruct`` (an instruction follower). Both start from ``load_base`` (one of our
-training checkpoints or a Hugging Face GPT-2 folder), choose what trains with ``set_trainable``
+pretraining runs or a Hugging Face GPT-2 folder), choose what trains with ``set_trainable``
 and train with ``fit``, which reuses pretraining's optimizer, schedule and mixed precision.
 """
 
@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from llmscratch.assets import PRETRAINED_PATH
-from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.distributed import resolve_device
 from llmscratch.lora import LoRAConfig, apply_lora, count_parameters
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.evaluation import autocast
 from llmscratch.train import DTYPES, TrainConfig, configure_optimizer, learning_rate
-from llmscratch.weights import load_hf
+from llmscratch.weights import load_model_and_tokenizer
 
 TRAINABLE = ("head", "last-k", "all", "lora")
 
@@ -70,21 +70,15 @@ class FinetuneConfig:
                            grad_clip=self.grad_clip, dtype=self.dtype, seed=self.seed)
 
 
-def load_base(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[GPT, BPETokenizer]:
-    """The model and tokenizer to finetune: our checkpoint or export, or a Hugging Face GPT-2 folder.
+def load_base(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+              tokenizer_path: str | os.PathLike | None = None) -> tuple[GPT, BPETokenizer]:
+    """The model and tokenizer to finetune: ``llmscratch.weights.load_model_and_tokenizer``.
 
-    A training ``checkpoint.pt`` or a ``model.safetensors`` export (ch04-pretraining/pretrain.py
-    writes both) carries its own tokenizer; a Hugging Face folder must use GPT-2's vocabulary.
+    A pretraining run folder, the ``checkpoint.pt`` or ``model.safetensors`` export it holds
+    (ch04-pretraining/pretrain.py writes both; each carries its tokenizer), or a Hugging Face
+    folder, read with GPT-2's vocabulary unless ``tokenizer_path`` names another.
     """
-    path = Path(path)
-    if path.is_dir():
-        model = load_hf(path)
-        if model.config.vocab_size != 50257:
-            raise ValueError(f"{path}: a Hugging Face model needs GPT-2's vocabulary (50,257 tokens) to be "
-                             f"finetuned here; it has {model.config.vocab_size}")
-        return model.to(map_location), BPETokenizer.gpt2()
-    model = model_from_checkpoint(path, map_location)  # ValueError for a missing or foreign file
-    return model, tokenizer_from_checkpoint(path)
+    return load_model_and_tokenizer(path, tokenizer_path, map_location)
 
 
 def end_of_text_id(tokenizer) -> int:
@@ -186,21 +180,17 @@ def fit(
     return history
 
 
-def pick_device(name: str | None = None) -> torch.device:
-    """The named device, else CUDA when there is one, else the CPU."""
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 # --------------------------------------------------------------------------- scripts
 def add_arguments(parser, defaults: FinetuneConfig) -> None:
     """The command-line flags both finetuning scripts share, with this task's defaults."""
     parser.add_argument("--base", type=Path, default=PRETRAINED_PATH,
-                        help="the model to start from: the model.safetensors or checkpoint.pt that "
-                             "ch04-pretraining/pretrain.py writes (e.g. runs/pretrain/model.safetensors), "
-                             "or a Hugging Face GPT-2 folder (config.json + model.safetensors); default: "
-                             "the bundled model of pretrain.py's default run")
+                        help="the model to start from: a run folder of ch04-pretraining/pretrain.py (e.g. "
+                             "runs/pretrain), the model.safetensors or checkpoint.pt in it, or a Hugging Face "
+                             "GPT-2 folder (config.json + model.safetensors); default: the bundled model of "
+                             "pretrain.py's default run")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a tokenizer JSON file to use instead of the base's own (or of GPT-2's for a "
+                             "Hugging Face folder)")
     parser.add_argument("--trainable", choices=TRAINABLE, default=defaults.trainable,
                         help="what trains: the head only, the last k blocks + final norm + head, everything, "
                              "or LoRA adapters (+ the head)")
@@ -215,8 +205,22 @@ def add_arguments(parser, defaults: FinetuneConfig) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                         help="autocast precision (bfloat16 on recent GPUs); weights stay float32")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the splits, shuffling and init")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def check_arguments(parser, args) -> None:
+    """parser.error (a message and exit status 2) for a shared flag that cannot work; resolves --device."""
+    if not args.base.exists():
+        parser.error(f"--base {args.base}: no such file or folder (expected a run folder of "
+                     "ch04-pretraining/pretrain.py, its model.safetensors or checkpoint.pt, or a Hugging Face "
+                     "GPT-2 folder)")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        parser.error(f"--tokenizer {args.tokenizer}: no such file")
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
 
 
 def config_from_args(args) -> FinetuneConfig:

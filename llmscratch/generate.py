@@ -3,15 +3,19 @@
 ``stream`` is the one decoding loop: it yields each new token as it is chosen. ``generate``
 collects the whole continuation; ``stream_text`` and ``generate_text`` wrap both in a tokenizer.
 The sampling steps (``top_k_filter``, ``top_p_filter``, ``sample_next_token``) are separate
-functions so each can be shown and tested on its own.
+functions so each can be shown and tested on its own. With the cache, decoding is ``prefill``
+(the prompt in one forward) then ``decode_one_token`` again and again: a step whose shapes never
+change, so that ``compile=True`` compiles it once for a whole generation (gpt-fast's design).
 """
 
 import codecs
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 
+from llmscratch.attention import KVCache
 from llmscratch.model import GPT, GPTConfig
 
 
@@ -63,12 +67,23 @@ def sample_next_token(
     """One next-token id per row of logits (B, V): argmax if temperature == 0 (top_k, top_p unused), else a sample.
 
     Sampling divides the logits by the temperature, keeps the top_k, then the top_p nucleus,
-    and draws from the softmax of what is left.
+    and draws from the softmax of what is left. A temperature so small that the division
+    overflows samples among the largest logits only: the limit as the temperature goes to 0.
     """
     _check_sampling(temperature, top_k, top_p)
+    return _sample(logits, temperature, top_k, top_p, generator)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """``sample_next_token`` without its checks, for the decoding loop that made them once."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)  # (B,)
-    logits = logits.float() / temperature  # (B, V); < 1 sharpens the distribution, > 1 flattens it
+    # < 1 sharpens the distribution, > 1 flattens it. Shifted so that the largest logit is 0, in
+    # float64 where any float temperature is a nonzero number: a tiny one sends the others to
+    # -inf, never inf / inf = NaN (softmax is unchanged by the shift).
+    shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)  # (B, V), all <= 0
+    logits = (shifted / temperature).float()  # (B, V)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
@@ -84,6 +99,7 @@ def stream(
     model: GPT,
     idx: torch.Tensor,
     max_new_tokens: int,
+    *,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -92,6 +108,7 @@ def stream(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, a LongTensor (B,), for up to max_new_tokens steps.
 
@@ -105,6 +122,8 @@ def stream(
     vocab_size: choose only ids below it (default: any of the model's). For a model whose
     embedding is padded beyond its tokenizer's vocabulary (to a round size, for speed), pass
     the tokenizer's size so that no padding id, which decodes to nothing, is ever chosen.
+    compile: run the cached decoding step through ``torch.compile`` (compiled on the first call,
+    reused after; see ``compiled_decode_one_token``). The same tokens, faster once compiled.
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
@@ -114,9 +133,10 @@ def stream(
     _check_request(model.config, max_new_tokens, eos_id, pad_id, vocab_size)
 
     def choose(logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
-        return sample_next_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)
+        return _sample(logits[:, :vocab_size], temperature, top_k, top_p, generator)
 
-    return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
+    step = compiled_decode_one_token() if compile else decode_one_token
+    return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
 
 
 def _check_prompt(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -146,18 +166,52 @@ def _check_request(config: GPTConfig, max_new_tokens: int, eos_id: int | None, p
         raise ValueError(f"pad_id={pad_id} needs an eos_id: without one no row ever finishes")
 
 
+def prefill(model: GPT, idx: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor:
+    """Run the prompts idx (B, T) through the model once, filling the caches' first T positions.
+
+    Returns the next-token logits (B, V) of the last position. The prompt's length varies from
+    call to call, so this step is left to the eager kernels (a causal mask over the prompt alone).
+    """
+    return model(idx, kv_caches)[:, -1]  # (B, V): only the last position predicts a new token
+
+
+def decode_one_token(model: GPT, token: torch.Tensor, input_pos: torch.Tensor,
+                     kv_caches: list[KVCache]) -> torch.Tensor:
+    """Feed one token per row, token (B, 1), at position input_pos (1,); its next-token logits (B, V).
+
+    Every step has the same shapes (the caches are read whole, masked to the filled positions),
+    so ``torch.compile`` compiles it once for a whole generation.
+    """
+    return model(token, kv_caches, input_pos=input_pos)[:, -1]  # (B, V)
+
+
+@functools.cache
+def compiled_decode_one_token() -> Callable[..., torch.Tensor]:
+    """``decode_one_token`` through ``torch.compile``, made once per process and shared by all models.
+
+    The graph is traced on the first call and reused while the model's structure and the
+    caches' shapes stay the same; fullgraph=True turns any graph break into an error. Freezing
+    treats the weights as constants, so the CPU backend packs them once into the layout its
+    matrix-vector kernels read fastest (see benchmarks/RESULTS.md for what that gains).
+    """
+    return torch.compile(decode_one_token, fullgraph=True, options={"freezing": True})
+
+
 @torch.inference_mode()  # on a generator function, torch enters the mode around each step only
-def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache) -> Iterator[torch.Tensor]:
+def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
     was_training = model.training
     model.eval()  # dropout off
     try:
-        yield from _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
+        yield from _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
     finally:
         model.train(was_training)
 
 
-def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache) -> Iterator[torch.Tensor]:
-    """The decoding loop of ``stream``, without its checks; choose(logits (B, V)) picks the ids (B,)."""
+def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
+    """The decoding loop of ``stream``, without its checks; choose(logits (B, V)) picks the ids (B,).
+
+    step: ``decode_one_token`` or its compiled version.
+    """
     if max_new_tokens == 0:
         return
     batch_size, prompt_len = idx.shape
@@ -170,9 +224,10 @@ def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
     cache_len = min(total_len - 1, context_length) if use_cache and prompt_len <= context_length else 0
     kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
     if kv_caches is not None:
-        logits = model(idx, kv_caches)[:, -1]  # (B, V): only the last position predicts a new token
+        logits = prefill(model, idx, kv_caches)  # (B, V)
     else:
         logits = model(idx[:, -context_length:])[:, -1]  # (B, V)
+    input_pos = torch.tensor([prompt_len], device=idx.device)  # (1,): where the next token is fed
     finished = torch.zeros(batch_size, dtype=torch.bool, device=idx.device)  # (B,)
     for length in range(prompt_len + 1, total_len + 1):  # tokens so far, the new one included
         next_ids = choose(logits)  # (B,)
@@ -183,32 +238,21 @@ def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache)
         tokens[:, length - 1] = next_ids
         if length == total_len or (eos_id is not None and finished.all()):
             return
-        if length <= cache_len:  # the new token's position, length - 1, is inside the cache
-            logits = model(next_ids[:, None], kv_caches, start_pos=length - 1)[:, -1]  # (B, V)
-        else:  # a sliding window over the last context_length tokens
+        if length <= cache_len:  # the new token's position, length - 1 == input_pos, is inside the cache
+            logits = step(model, next_ids[:, None], input_pos, kv_caches)  # (B, V)
+            input_pos += 1  # in place: a compiled step sees the same input tensor every time
+        else:  # a sliding window over the last context_length tokens (eager: its length varies at first)
             logits = model(tokens[:, max(0, length - context_length):length])[:, -1]  # (B, V)
 
 
-def generate(
-    model: GPT,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
-    use_cache: bool = True,
-    generator: torch.Generator | None = None,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
     """The prompts idx (B, T) followed by their continuations: a LongTensor (B, T + n).
 
-    Arguments as for ``stream``. n == max_new_tokens unless every row reached eos_id sooner; then
-    n is the step at which the last row finished, and earlier-finished rows are padded with pad_id.
+    Options as for ``stream`` (temperature, top_k, top_p, eos_id, pad_id, use_cache, generator,
+    vocab_size, compile). n == max_new_tokens unless every row reached eos_id sooner; then n is
+    the step at which the last row finished, and earlier-finished rows are padded with pad_id.
     """
-    new_tokens = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
-                             use_cache, generator, vocab_size))
+    new_tokens = list(stream(model, idx, max_new_tokens, **options))
     if not new_tokens:
         return idx.clone()
     # Outside inference_mode: the result is an ordinary tensor, free to be modified in place.
@@ -216,31 +260,15 @@ def generate(
 
 
 # --------------------------------------------------------------------------- text
-def text_to_ids(text: str, tokenizer, device: torch.device | str | None = None) -> torch.Tensor:
-    """Token ids (1, T) of text; special tokens written in the text (``<|endoftext|>``) are allowed.
-
-    tokenizer: a ``BPETokenizer`` or a tiktoken ``Encoding``.
-    """
-    ids = tokenizer.encode(text, allowed_special="all")
-    return torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
-
-
-def ids_to_text(ids: torch.Tensor, tokenizer) -> str:
-    """The text of one sequence of ids, shape (T,) or (1, T)."""
-    if ids.dim() == 2 and ids.size(0) == 1:
-        ids = ids[0]
-    if ids.dim() != 1:
-        raise ValueError(f"ids_to_text decodes one sequence, shape (T,) or (1, T); got {tuple(ids.shape)}")
-    return tokenizer.decode(ids.tolist())
-
-
 def stream_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **options) -> Iterator[str]:
     """Yield the continuation of prompt piece by piece, each piece whole UTF-8 characters.
 
-    Options as for ``stream``; generation stops at eos_id, which is not part of the text. Only ids
-    the tokenizer knows are chosen (see ``vocab_size``), unless options say otherwise.
+    tokenizer: a ``BPETokenizer`` or a tiktoken ``Encoding``; special tokens written in the prompt
+    (``<|endoftext|>``) are encoded as such. Options as for ``stream``; generation stops at eos_id,
+    which is not part of the text. Only ids the tokenizer knows are chosen (see ``vocab_size``),
+    unless options say otherwise.
     """
-    idx = text_to_ids(prompt, tokenizer)
+    idx = torch.tensor([tokenizer.encode(prompt, allowed_special="all")])  # (1, T); "<|endoftext|>" is one id
     options.setdefault("vocab_size", min(tokenizer.n_vocab, model.config.vocab_size))
     # One token may hold half of a multi-byte character: hold bytes back until it is complete.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

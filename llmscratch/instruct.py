@@ -56,10 +56,29 @@ def format_prompt(record: dict) -> str:
     return prompt + "\n\n### Response:\n"
 
 
-def encode_records(records: Sequence[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference."""
-    return [(tokenizer.encode(format_prompt(r), disallowed_special=()),
-             tokenizer.encode(r["output"], disallowed_special=())) for r in validate_records(list(records))]
+def encode_records(records: Sequence[dict], tokenizer,
+                   context_length: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference.
+
+    With ``context_length``, every record must fit whole in one training row: prompt + output
+    + <|endoftext|> in context_length + 1 tokens (a row's inputs and targets are that, shifted by
+    one). ValueError naming each record that does not, rather than cutting its answer or its
+    end-of-text token, or masking all of its targets.
+    """
+    records = validate_records(list(records))
+    encoded = [(tokenizer.encode(format_prompt(r), disallowed_special=()),
+                tokenizer.encode(r["output"], disallowed_special=())) for r in records]
+    if context_length is not None:
+        too_long = [(index, len(prompt), len(output)) for index, (prompt, output) in enumerate(encoded)
+                    if len(prompt) + len(output) > context_length]
+        if too_long:
+            shown = "; ".join(f"record {index} ({records[index]['instruction'][:40]!r}): prompt {prompt} + output "
+                              f"{output} + 1 tokens" for index, prompt, output in too_long[:5])
+            more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+            raise ValueError(f"{len(too_long)} record(s) do not fit the model's context_length={context_length} "
+                             f"(at most {context_length + 1} tokens with <|endoftext|>): {shown}{more}; "
+                             "shorten their inputs or use a model with a longer context")
+    return encoded
 
 
 # --------------------------------------------------------------------------- batches
@@ -70,7 +89,8 @@ def collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], eos_id: int
     Each row is shifted by one (targets[t] = sequence[t + 1]); rows are padded on the right to
     the longest in the batch, inputs with pad_id (default eos_id), targets with IGNORE_INDEX,
     so the one end-of-text target that matters stays. mask_prompt also sets the targets inside
-    the prompt to IGNORE_INDEX: only the output is learned. Rows are cut to max_length tokens.
+    the prompt to IGNORE_INDEX: only the output is learned. Rows are cut to max_length tokens;
+    a row left with no target to learn is a ValueError (``encode_records`` checks records whole).
     """
     if not examples:
         raise ValueError("collate needs at least one example")
@@ -82,7 +102,11 @@ def collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], eos_id: int
         if mask_prompt:  # targets[t] is sequence[t + 1]: the first len(prompt) - 1 are prompt tokens
             masked = max(len(prompt) - 1, 0)
             targets[:masked] = [IGNORE_INDEX] * masked
-        rows.append((sequence[:-1][:max_length], targets[:max_length]))
+        targets = targets[:max_length]
+        if all(t == IGNORE_INDEX for t in targets):  # its loss would be 0 / 0: NaN alone, dropped in a batch
+            raise ValueError(f"row {len(rows)} of the batch: its prompt of {len(prompt)} tokens leaves no output token "
+                             f"within max_length={max_length}; shorten it or raise max_length")
+        rows.append((sequence[:-1][:max_length], targets))
     longest = max(len(inputs) for inputs, _ in rows)
     inputs = torch.full((len(rows), longest), pad_id, dtype=torch.long)  # (B, T)
     targets = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)  # (B, T)

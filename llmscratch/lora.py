@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from llmscratch.atomic import write_atomically
+from llmscratch.checkpoint import read_safetensors
 
 # Every linear layer inside the blocks: attention (qkv, out_proj) and the MLP (GPT-2's fc, proj;
 # Llama's gate, up, down). The output head is left out: it is often tied to the embedding.
@@ -164,42 +164,82 @@ def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
 def load_adapters(model: nn.Module, path: str | os.PathLike, dropout: float = 0.0) -> list[str]:
     """Load adapters saved by ``save_adapters``, wrapping the same layers first if needed.
 
-    Returns the adapted layer names; ValueError naming the layer if the file does not fit.
+    Returns the adapted layer names. The whole file is checked against the model first (layer
+    names, rank and alpha, every tensor's presence, shape and dtype): a ValueError naming the
+    problem leaves the model exactly as it was.
     """
-    path = Path(path)
-    if not path.is_file():
+    LoRAConfig(dropout=dropout)  # validates dropout before anything is read
+    if not Path(path).is_file():
         raise ValueError(f"no adapter file at {path}")
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:  # safetensors raises its own error types for foreign files
-        raise ValueError(f"{path} is not a safetensors file: {err}") from None
-    if metadata.get("format") != _FORMAT:
-        raise ValueError(f"{path} is not an llmscratch LoRA adapter file (format {metadata.get('format')!r})")
-    expected = json.loads(metadata["layers"])  # name -> {"rank", "alpha"}
+    metadata, tensors = read_safetensors(path)  # ValueError for a truncated or foreign file
+    expected = _adapter_layers(metadata, path)  # name -> (rank, alpha)
     layers = lora_layers(model)
-    if not layers:  # wrap the layers the file names, each with its own rank and alpha
+    if layers:  # load into the model's adapters: they must be the file's
+        if sorted(layers) != sorted(expected):
+            raise ValueError(f"the adapters in {path} are for layers {sorted(expected)}, the model has {sorted(layers)}")
+        for name, (_, alpha) in expected.items():
+            if layers[name].alpha != alpha:
+                raise ValueError(f"{name}: the file's adapter has alpha={alpha}, the model's {layers[name].alpha}")
+        shapes = {name: (tuple(layer.lora_a.shape), tuple(layer.lora_b.shape)) for name, layer in layers.items()}
+    else:  # wrap the layers the file names, each with its own rank and alpha
         linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         missing = sorted(set(expected) - set(linears))
-        if missing:  # checked before anything changes: a failed load leaves the model as it was
+        if missing:
             raise ValueError(f"the adapters in {path} are for layers {missing}, "
                              "which this model has no linear layer for")
+        shapes = {name: ((rank, linears[name].in_features), (linears[name].out_features, rank))
+                  for name, (rank, _) in expected.items()}
+    _check_adapter_tensors(tensors, expected, shapes, path)
+
+    if not layers:
         model.requires_grad_(False)
-        for name, shape in expected.items():
-            _replace(model, name, LoRALinear(linears[name], shape["rank"], shape["alpha"], dropout))
+        for name, (rank, alpha) in expected.items():
+            _replace(model, name, LoRALinear(linears[name], rank, alpha, dropout))
         layers = lora_layers(model)
-    if sorted(layers) != sorted(expected):
-        raise ValueError(f"the adapters in {path} are for layers {sorted(expected)}, the model has {sorted(layers)}")
-    for name, shape in expected.items():
-        layer = layers[name]
-        if layer.alpha != shape["alpha"]:
-            raise ValueError(f"{name}: the file's adapter has alpha={shape['alpha']}, the model's {layer.alpha}")
-        for part in ("lora_a", "lora_b"):
-            tensor, param = tensors[f"{name}.{part}"], getattr(layer, part)
-            if tensor.shape != param.shape:
-                raise ValueError(f"{name}.{part}: the file has shape {tuple(tensor.shape)}, "
-                                 f"the model {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
+    with torch.no_grad():
+        for name in expected:
+            for part in ("lora_a", "lora_b"):
+                getattr(layers[name], part).copy_(tensors[f"{name}.{part}"])
     return sorted(expected)
+
+
+def _adapter_layers(metadata: dict[str, str], path) -> dict[str, tuple[int, float]]:
+    """name -> (rank, alpha) from an adapter file's metadata; ValueError naming what is malformed."""
+    if metadata.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not an llmscratch LoRA adapter file (format {metadata.get('format')!r})")
+    try:
+        layers = json.loads(metadata["layers"])
+    except (KeyError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: its metadata has no readable 'layers' entry ({err!r}); "
+                         "expected the JSON that save_adapters writes") from None
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{path}: its metadata 'layers' should map layer names to rank and alpha, got {layers!r}")
+    expected = {}
+    for name, shape in layers.items():
+        try:
+            config = LoRAConfig(rank=shape["rank"], alpha=shape["alpha"])
+        except (TypeError, KeyError, ValueError) as err:
+            raise ValueError(f"{path}: layer {name!r} has bad metadata {shape!r} ({err}); "
+                             "expected a positive integer rank and a positive alpha") from None
+        expected[name] = (config.rank, config.alpha)
+    return expected
+
+
+def _check_adapter_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, float]],
+                           shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]], path) -> None:
+    """ValueError unless the file holds exactly the A and B float matrices of the shapes the model needs."""
+    wanted = {f"{name}.{part}" for name in expected for part in ("lora_a", "lora_b")}
+    missing, unexpected = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not hold the tensors its metadata lists: missing {missing[:6]}, "
+                         f"unexpected {unexpected[:6]}")
+    for name, (rank, _) in expected.items():
+        a, b = tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"]
+        if a.dim() != 2 or b.dim() != 2 or a.size(0) != rank or b.size(1) != rank:
+            raise ValueError(f"{path}: {name}: its metadata says rank={rank}, but its A and B have shapes "
+                             f"{tuple(a.shape)} and {tuple(b.shape)}")
+        for part, tensor, shape in (("lora_a", a, shapes[name][0]), ("lora_b", b, shapes[name][1])):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{path}: {name}.{part}: the file has shape {tuple(tensor.shape)}, the model {shape}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"{path}: {name}.{part}: the file holds {tensor.dtype} values, expected floating point")

@@ -183,8 +183,9 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, kv_cache: KVCache | None,
-                start_pos: int) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, kv_cache, start_pos))  # (B, T, d)
+                start_pos: int, *, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        attended = self.attn(self.attn_norm(x), rope, kv_cache, start_pos, input_pos=input_pos)  # (B, T, d)
+        x = x + self.dropout(attended)  # (B, T, d)
         return x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d)
 
 
@@ -222,11 +223,14 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
-                start_pos: int = 0, *, targets: torch.Tensor | None = None) -> torch.Tensor:
+                start_pos: int = 0, *, input_pos: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ids ``idx`` (B, T) sitting at positions start_pos..start_pos+T-1.
 
         With ``kv_caches`` (one per block, see ``make_kv_caches``) the ids are appended to the
-        cached sequence, so decoding feeds one new token at a time.
+        cached sequence, so decoding feeds one new token at a time. ``input_pos`` (T,), a tensor
+        of positions below the caches' length, replaces start_pos: the ids are written there and
+        attend to the whole caches, masked (shapes that stay fixed for ``torch.compile``).
         With ``targets`` (B, T) of next-token ids (-100: skip), returns instead their mean
         cross-entropy, the same number as ``F.cross_entropy(logits.float().flatten(0, 1),
         targets.flatten())`` but computed chunk by chunk (``llmscratch.losses``): the (B, T, V)
@@ -240,13 +244,18 @@ class GPT(nn.Module):
             )
         if kv_caches is not None and len(kv_caches) != len(self.blocks):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.blocks)} blocks")
-        x = self.token_embedding(idx)  # (B, T, d)
+        if input_pos is not None and (kv_caches is None or input_pos.shape != (seq_len,)):
+            raise ValueError(f"input_pos needs kv_caches and one position per id ({seq_len}); "
+                             f"got shape {tuple(input_pos.shape)}, kv_caches={'none' if kv_caches is None else 'given'}")
+        x = self._embed_tokens(idx)  # (B, T, d)
         if self.position_embedding is not None:
-            positions = torch.arange(start_pos, start_pos + seq_len, device=idx.device)  # (T,)
+            positions = input_pos
+            if positions is None:
+                positions = torch.arange(start_pos, start_pos + seq_len, device=idx.device)  # (T,)
             x = x + self.position_embedding(positions)  # (B, T, d)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos)
+            x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos, input_pos=input_pos)
         x = self.final_norm(x)  # (B, T, d)
         if targets is not None:
             if targets.shape != idx.shape:
@@ -258,6 +267,16 @@ class GPT(nn.Module):
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least, as above
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # ()
         return self.lm_head(x)  # (B, T, vocab_size)
+
+    def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ``idx``; an id outside the vocabulary is a ValueError naming it."""
+        try:  # checked only when the lookup fails: nothing is spent on good ids (CUDA asserts on its device)
+            return self.token_embedding(idx)  # (B, T, d)
+        except IndexError:
+            bad = idx[(idx < 0) | (idx >= self.config.vocab_size)]
+            raise ValueError(f"token id {bad[0].item() if bad.numel() else '?'} is outside the model's vocabulary "
+                             f"of {self.config.vocab_size} ids (0..{self.config.vocab_size - 1}); were the "
+                             f"ids made by another tokenizer?") from None
 
     def make_kv_caches(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:
         """One empty cache per block, on this model's device and in its dtype."""

@@ -40,21 +40,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Rotate x (B, nh, T, hs) as if its T rows sat at positions start_pos..start_pos+T-1."""
+    def forward(self, x: torch.Tensor, start_pos: int = 0, *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate x (B, nh, T, hs) as if its T rows sat at positions start_pos..start_pos+T-1.
+
+        ``positions`` (T,), a tensor, replaces ``start_pos``: a compiled decoding step passes its
+        position as a tensor so that a new position is new data, not a new graph. It is not
+        range-checked here (that would read it back from the device): the caller keeps it in range.
+        """
         seq_len, head_dim = x.shape[-2:]
         if head_dim != self.head_dim:
             raise ValueError(
                 f"this RoPE table is for head_dim={self.head_dim}, got input with head_dim={head_dim}"
             )
-        if start_pos < 0 or start_pos + seq_len > self.max_seq_len:
-            raise ValueError(
-                f"positions {start_pos}..{start_pos + seq_len - 1} "
-                f"(start_pos={start_pos}, seq_len={seq_len}) "
-                f"are outside the RoPE table of max_seq_len={self.max_seq_len}"
-            )
-        cos = self.cos[start_pos : start_pos + seq_len].to(x.dtype)  # (T, hs), broadcasts over (B, nh)
-        sin = self.sin[start_pos : start_pos + seq_len].to(x.dtype)  # (T, hs)
+        if positions is None:
+            if start_pos < 0 or start_pos + seq_len > self.max_seq_len:
+                raise ValueError(
+                    f"positions {start_pos}..{start_pos + seq_len - 1} "
+                    f"(start_pos={start_pos}, seq_len={seq_len}) "
+                    f"are outside the RoPE table of max_seq_len={self.max_seq_len}"
+                )
+            positions = slice(start_pos, start_pos + seq_len)
+        cos = self.cos[positions].to(x.dtype)  # (T, hs), broadcasts over (B, nh)
+        sin = self.sin[positions].to(x.dtype)  # (T, hs)
         return x * cos + rotate_half(x) * sin  # (B, nh, T, hs)
 
     def extra_repr(self) -> str:

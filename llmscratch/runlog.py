@@ -7,6 +7,8 @@ lines of steps after its checkpoint, since it trains those steps again.
 import json
 from pathlib import Path
 
+from llmscratch.atomic import write_text_atomically
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -29,7 +31,8 @@ class RunLog:
         """Keep only the records up to ``step`` (the step a resumed run restarts from)."""
         if self.enabled and self.path.is_file():
             kept = [record for record in self.records() if record["step"] <= step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            # Atomically: a crash now must not lose the records of the steps that are kept.
+            write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def append(self, record: dict) -> None:
         if self.enabled:

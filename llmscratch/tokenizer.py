@@ -11,7 +11,7 @@ import heapq
 import json
 import os
 import warnings
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Literal
@@ -29,6 +29,12 @@ ENDOFTEXT = "<|endoftext|>"
 FILE_FORMAT, FILE_VERSION = "llmscratch-bpe", 1
 _CACHE_LIMIT = 1 << 17  # chunk-cache entries kept before the cache is cleared
 _NO_MERGE = 1 << 62  # larger than any token id
+# Chunks up to this many bytes take the simple rescanning merge: it is quadratic, but quicker
+# than the rank-by-rank merge below about 30 bytes, and nearly every chunk of prose is short.
+_SHORT_CHUNK = 32
+# A split pattern must cover this text without a gap, or encoding would drop text silently.
+_PATTERN_PROBE = ("Hello, world! It's 2026: 3.14 ünïcödé 中文 日本語 한국어 😀👩‍👩‍👧 e\u0301 "
+                  "a_b-c.d/e\\f (x) [y] 'q' \"q\" \t\n\r\n  \x00\x1b\x7f\u200b\u2028 end ")
 
 Pair = tuple[int, int]
 SpecialSet = Literal["all"] | Collection[str]
@@ -48,7 +54,7 @@ class BPETokenizer:
         """``merges[i]`` creates id ``256 + i``; ``byte_order[i]`` is the byte of id ``i``."""
         self.name = name
         self.pattern = pattern
-        self._split = regex.compile(pattern)
+        self._split = _compile_split_pattern(pattern)
         self.byte_order = list(range(256)) if byte_order is None else list(byte_order)
         if sorted(self.byte_order) != list(range(256)):
             raise ValueError("byte_order must be a permutation of the 256 byte values")
@@ -57,12 +63,16 @@ class BPETokenizer:
         for new_id, (left, right) in enumerate(merges, start=256):
             if not (0 <= left < new_id and 0 <= right < new_id):
                 raise ValueError(f"merge {new_id - 256} ({left}, {right}) uses an id not yet defined")
+            if (left, right) in self.merges:
+                raise ValueError(f"merge {new_id - 256} ({left}, {right}) repeats merge "
+                                 f"{self.merges[left, right] - 256}; each pair is merged once")
             self.merges[left, right] = new_id
             self.vocab[new_id] = self.vocab[left] + self.vocab[right]
         self._byte_to_id = [0] * 256
         for token_id, byte in enumerate(self.byte_order):
             self._byte_to_id[byte] = token_id
         self.special_tokens = dict(special_tokens or {})
+        check_special_tokens(list(self.special_tokens))
         expected = list(range(len(self.vocab), len(self.vocab) + len(self.special_tokens)))
         if sorted(self.special_tokens.values()) != expected:
             raise ValueError(
@@ -106,9 +116,9 @@ class BPETokenizer:
         """Learn ``vocab_size - 256 - len(special_tokens)`` merges from ``text``.
 
         Each step merges the most frequent adjacent pair (ties: the pair of smaller ids).
-        Pair counts are updated only in the chunks a merge touches, never recounted.
+        Pair counts are updated only where a merge happens, never recounted.
         """
-        special_tokens = list(dict.fromkeys(special_tokens))
+        special_tokens = check_special_tokens(special_tokens)
         n_merges = vocab_size - 256 - len(special_tokens)
         if n_merges < 0:
             raise ValueError(
@@ -117,38 +127,12 @@ class BPETokenizer:
             )
         # Special tokens are never learned from the text: cut them out before counting.
         pieces = _special_regex(special_tokens).split(text) if special_tokens else [text]
-        splitter = regex.compile(pattern)
-        chunk_counts = Counter(chunk for piece in pieces for chunk in splitter.findall(piece))
-        words = [list(chunk.encode("utf-8")) for chunk in chunk_counts]
-        freqs = list(chunk_counts.values())
-
-        counts: Counter[Pair] = Counter()  # pair -> occurrences weighted by chunk frequency
-        where: dict[Pair, set[int]] = {}  # pair -> indices of the chunks that (may) hold it
-        for index, (word, freq) in enumerate(zip(words, freqs)):
-            for pair in zip(word, word[1:]):
-                counts[pair] += freq
-                where.setdefault(pair, set()).add(index)
-        # A max-heap by (count, smaller ids first). Entries go stale as counts drop; a
-        # stale entry is re-pushed with its current count when it reaches the top.
-        heap = [(-count, pair) for pair, count in counts.items()]
-        heapq.heapify(heap)
-
-        merges: list[Pair] = []
+        splitter = _compile_split_pattern(pattern)
+        chunk_counts: Counter[str] = Counter()
+        for piece in pieces:
+            chunk_counts.update(_split_covering(splitter, piece))
         bar = _progress_bar(n_merges, "BPE merges") if progress else None
-        while len(merges) < n_merges and heap:
-            neg_count, pair = heapq.heappop(heap)
-            current = counts.get(pair, 0)
-            if current != -neg_count:
-                if current > 0:
-                    heapq.heappush(heap, (-current, pair))
-                continue
-            new_id = 256 + len(merges)
-            merges.append(pair)
-            new_pairs = _apply_merge(pair, new_id, words, freqs, where.pop(pair), counts, where)
-            for new_pair in new_pairs:
-                heapq.heappush(heap, (-counts[new_pair], new_pair))
-            if bar is not None:
-                bar.update(1)
+        merges = _learn_merges(chunk_counts, n_merges, bar)
         if bar is not None:
             bar.close()
         if len(merges) < n_merges:
@@ -198,26 +182,16 @@ class BPETokenizer:
     def _merge_chunk(self, chunk: bytes) -> list[int]:
         """BPE on one pre-split chunk: apply the earliest-learned merge until none applies."""
         ids = [self._byte_to_id[b] for b in chunk]
-        rank = self.merges.get  # a merge's new id is its rank: smaller means learned earlier
-        ranks = [rank(pair, _NO_MERGE) for pair in zip(ids, ids[1:])]  # ranks[i]: ids[i], ids[i+1]
-        while ranks:
-            new_id = min(ranks)
-            if new_id == _NO_MERGE:
-                break
-            i = ranks.index(new_id)  # leftmost occurrence first, as GPT-2 does
-            ids[i : i + 2] = [new_id]
-            del ranks[i]
-            if i > 0:  # the pair to the left now ends in the new token
-                ranks[i - 1] = rank((ids[i - 1], new_id), _NO_MERGE)
-            if i < len(ranks):  # and the pair to the right starts with it
-                ranks[i] = rank((new_id, ids[i + 1]), _NO_MERGE)
-        return ids
+        # A merge's new id is its rank: smaller means learned earlier.
+        if len(ids) <= _SHORT_CHUNK:
+            return _merge_by_scanning(ids, self.merges)
+        return _merge_rank_by_rank(ids, self.merges)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode text, treating special-token strings as ordinary text."""
         text = _replace_lone_surrogates(text)
         cache, ids = self._cache, []
-        for chunk in self._split.findall(text):
+        for chunk in _split_covering(self._split, text):
             chunk_ids = cache.get(chunk)
             if chunk_ids is None:
                 if len(cache) >= _CACHE_LIMIT:
@@ -308,7 +282,9 @@ class BPETokenizer:
             merges = [(int(left), int(right)) for left, right, _ in data["merges"]]
             tokenizer = cls(merges, pattern=data["pattern"], special_tokens=data["special_tokens"],
                             byte_order=data["byte_order"], name=data["name"])
-        except (KeyError, TypeError, ValueError, regex.error) as err:
+        except ValueError as err:  # our own checks: a sentence that names the bad value
+            raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
+        except (KeyError, TypeError) as err:
             raise ValueError(f"{source} is a corrupt tokenizer file: {err!r}") from None
         for index, (_, _, shown) in enumerate(data["merges"]):
             if shown != _readable(tokenizer.vocab[256 + index]):
@@ -352,34 +328,193 @@ def _gpt2_merges() -> tuple[tuple[int, ...], tuple[Pair, ...]]:
     return tuple(tokenizer.byte_order), tuple(tokenizer.merges)
 
 
-def _apply_merge(pair: Pair, new_id: int, words: list[list[int]], freqs: list[int],
-                 candidates: set[int], counts: Counter, where: dict[Pair, set[int]]) -> set[Pair]:
-    """Merge ``pair`` in every chunk that holds it, updating pair counts; return new pairs."""
+def check_special_tokens(tokens: Collection[str]) -> list[str]:
+    """The special tokens as a list; an empty, repeated or non-string one is a ValueError."""
+    if isinstance(tokens, str):
+        raise ValueError(f"special tokens must be a list of strings, got the string {tokens!r}")
+    tokens = list(tokens)
+    for token in tokens:
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"special tokens must be non-empty strings, got {token!r} in {tokens}")
+    repeated = [token for token, count in Counter(tokens).items() if count > 1]
+    if repeated:
+        raise ValueError(f"special tokens must be distinct: {repeated} appear more than once in {tokens}")
+    return tokens
+
+
+def _compile_split_pattern(pattern: str) -> regex.Pattern:
+    """Compile a pre-split pattern; one that is invalid, has groups or skips text is a ValueError."""
+    try:
+        splitter = regex.compile(pattern)
+    except (regex.error, TypeError) as err:
+        raise ValueError(f"the split pattern {pattern!r} is not a regular expression: {err}") from None
+    if splitter.groups:
+        raise ValueError(f"the split pattern {pattern!r} has capture groups, so findall would return "
+                         f"the groups instead of the chunks: write each group as (?:...)")
+    _split_covering(splitter, _PATTERN_PROBE, "a test text")
+    return splitter
+
+
+def _split_covering(splitter: regex.Pattern, text: str, text_name: str = "the text") -> list[str]:
+    """``splitter.findall(text)``, checked to cover every character: text is never dropped silently."""
+    chunks = splitter.findall(text)
+    if sum(map(len, chunks)) != len(text):  # matches never overlap, so equal lengths mean no gap
+        position = 0
+        for match in splitter.finditer(text):
+            if match.start() != position:
+                break
+            position = match.end()
+        raise ValueError(
+            f"the split pattern {splitter.pattern!r} skips {text[position:position + 10]!r} at "
+            f"character {position} of {text_name}; a split pattern must match every character "
+            f"(a last alternative such as |(?s:.) makes sure of it)"
+        )
+    return chunks
+
+
+def _merge_by_scanning(ids: list[int], merges: dict[Pair, int]) -> list[int]:
+    """BPE by rescanning: each step merges the lowest-ranked pair, the leftmost among equals.
+
+    Quadratic in ``len(ids)``, and the quickest on the few-byte chunks of ordinary text.
+    """
+    rank = merges.get
+    ranks = [rank(pair, _NO_MERGE) for pair in zip(ids, ids[1:])]  # ranks[i]: ids[i], ids[i+1]
+    while ranks:
+        new_id = min(ranks)
+        if new_id == _NO_MERGE:
+            break
+        i = ranks.index(new_id)  # leftmost occurrence first, as GPT-2 does
+        ids[i : i + 2] = [new_id]
+        del ranks[i]
+        if i > 0:  # the pair to the left now ends in the new token
+            ranks[i - 1] = rank((ids[i - 1], new_id), _NO_MERGE)
+        if i < len(ranks):  # and the pair to the right starts with it
+            ranks[i] = rank((new_id, ids[i + 1]), _NO_MERGE)
+    return ids
+
+
+def _merge_rank_by_rank(ids: list[int], merges: dict[Pair, int]) -> list[int]:
+    """The same tokens as ``_merge_by_scanning`` in O(n log n): take the ranks in increasing
+    order and merge each rank's pairs from left to right.
+
+    A merge only creates pairs of a higher rank than its own, so when a rank comes up all its
+    pairs are already noted, and taking them left to right is the leftmost-first rule.
+    """
+    rank = merges.get
+    n = len(ids)
+    # A linked list of the parts: a part merged into its left neighbour gets the id -1.
+    after = list(range(1, n + 1))  # after[i]: the next live part (n: none)
+    before = list(range(-1, n - 1))  # before[i]: the previous live part (-1: none)
+    noted: dict[int, list[int]] = {}  # rank -> left parts of its pairs (some stale)
+    for i, pair in enumerate(zip(ids, ids[1:])):
+        if (r := rank(pair)) is not None:
+            noted.setdefault(r, []).append(i)
+    pending = list(noted)  # a min-heap of the ranks with noted pairs
+    heapq.heapify(pending)
+    while pending:
+        r = heapq.heappop(pending)
+        for i in sorted(noted.pop(r)):
+            j = after[i]
+            if j == n or rank((ids[i], ids[j])) != r:
+                continue  # stale: a part of this pair went into an earlier merge
+            ids[i], ids[j] = r, -1
+            k = after[i] = after[j]
+            new_pairs = []
+            if k < n:
+                before[k] = i
+                new_pairs.append(((r, ids[k]), i))
+            if (h := before[i]) >= 0:
+                new_pairs.append(((ids[h], r), h))
+            for pair, left in new_pairs:
+                if (s := rank(pair)) is not None:
+                    if s not in noted:
+                        noted[s] = []
+                        heapq.heappush(pending, s)
+                    noted[s].append(left)
+    return [token for token in ids if token >= 0]
+
+
+def _learn_merges(chunk_counts: Counter[str], n_merges: int, bar=None) -> list[Pair]:
+    """Merge the most frequent pair (ties: smaller ids first) until ``n_merges`` or no pair is left.
+
+    The distinct chunks lie end to end in one linked list of symbols (no link crosses from a
+    chunk to the next), each symbol weighted by its chunk's count; ``where[pair]`` holds the
+    positions where ``pair`` starts (some stale), so a merge touches only those.
+    """
+    symbols, weight, after, before = [], [], [], []
+    for chunk, count in chunk_counts.items():
+        data = chunk.encode("utf-8")
+        start, end = len(symbols), len(symbols) + len(data)
+        symbols.extend(data)
+        weight.extend([count] * len(data))
+        after.extend(range(start + 1, end + 1))
+        before.extend(range(start - 1, end - 1))
+        if data:
+            after[-1], before[start] = -1, -1
+    counts: Counter[Pair] = Counter()  # pair -> occurrences weighted by chunk count
+    where: defaultdict[Pair, list[int]] = defaultdict(list)
+    for i, j in enumerate(after):
+        if j >= 0:
+            pair = symbols[i], symbols[j]
+            counts[pair] += weight[i]
+            where[pair].append(i)
+    # A max-heap by (count, smaller ids first). Entries go stale as counts drop; a
+    # stale entry is re-pushed with its current count when it reaches the top.
+    heap = [(-count, pair) for pair, count in counts.items()]
+    heapq.heapify(heap)
+    merges: list[Pair] = []
+    while len(merges) < n_merges and heap:
+        neg_count, pair = heapq.heappop(heap)
+        current = counts.get(pair, 0)
+        if current != -neg_count:
+            if current > 0:
+                heapq.heappush(heap, (-current, pair))
+            continue
+        new_id = 256 + len(merges)
+        merges.append(pair)
+        for new_pair in _merge_pair(pair, new_id, where.pop(pair), symbols, weight, after, before,
+                                    counts, where):
+            if new_pair in counts:  # some made pairs are gone again, e.g. (new, a) in "aaaa"
+                heapq.heappush(heap, (-counts[new_pair], new_pair))
+        if bar is not None:
+            bar.update(1)
+    return merges
+
+
+def _merge_pair(pair: Pair, new_id: int, positions: list[int], symbols: list[int], weight: list[int],
+                after: list[int], before: list[int], counts: Counter, where: dict) -> set[Pair]:
+    """Merge ``pair`` where it starts at ``positions``, left to right as a scan would (``aaa``
+    makes ``(aa)a``), updating pair counts and positions; return the pairs made."""
     left, right = pair
-    new_pairs = set()
-    for index in candidates:
-        word, freq = words[index], freqs[index]
-        merged, i = [], 0
-        while i < len(word):
-            if i + 1 < len(word) and word[i] == left and word[i + 1] == right:
-                merged.append(new_id)
-                i += 2
-            else:
-                merged.append(word[i])
-                i += 1
-        if len(merged) == len(word):
-            continue  # a stale entry of ``where``: this chunk lost the pair to an earlier merge
-        for old in zip(word, word[1:]):
-            counts[old] -= freq
-            if counts[old] == 0:
-                del counts[old]
-        for new in zip(merged, merged[1:]):
-            counts[new] += freq
-            if new_id in new:
-                where.setdefault(new, set()).add(index)
-                new_pairs.add(new)
-        words[index] = merged
-    return new_pairs
+    made = set()
+    for i in sorted(positions):
+        j = after[i]
+        if symbols[i] != left or j < 0 or symbols[j] != right:
+            continue  # stale: a part of this pair went into an earlier merge
+        w, h, k = weight[i], before[i], after[j]
+        _count(counts, pair, -w)
+        if h >= 0:  # the pair to the left now ends in the new symbol
+            _count(counts, (symbols[h], left), -w)
+            made.add(new := (symbols[h], new_id))
+            _count(counts, new, w)
+            where[new].append(h)
+        if k >= 0:  # and the pair to the right starts with it
+            _count(counts, (right, symbols[k]), -w)
+            made.add(new := (new_id, symbols[k]))
+            _count(counts, new, w)
+            where[new].append(i)
+            before[k] = i
+        symbols[i], symbols[j], after[i] = new_id, -1, k
+    return made
+
+
+def _count(counts: Counter, pair: Pair, change: int) -> None:
+    """Add ``change`` to a pair's count, dropping pairs that reach zero (the heap skips them)."""
+    count = counts[pair] + change
+    if count:
+        counts[pair] = count
+    else:
+        del counts[pair]
 
 
 @functools.lru_cache(maxsize=64)

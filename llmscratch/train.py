@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from llmscratch.model import GPT
 from llmscratch.runlog import RunLog
 from llmscratch.tokenizer import BPETokenizer
 
-__all__ = ["DTYPES", "TrainConfig", "Trainer", "TrainingDiverged", "autocast", "choose_dtype",
+__all__ = ["DTYPES", "TrainConfig", "Trainer", "TrainingDiverged", "TrainingStopped", "autocast", "choose_dtype",
            "configure_optimizer", "learning_rate"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,6 +103,14 @@ class TrainingDiverged(RuntimeError):
     """The loss (or, outside float16, the gradient) became NaN or infinite."""
 
 
+class TrainingStopped(Exception):
+    """``Trainer.request_stop`` was called: the run saved a checkpoint of ``step`` and stopped there."""
+
+    def __init__(self, step: int, path: Path):
+        super().__init__(f"stopped at step {step}; {path} holds that step, and a resumed run restarts from it")
+        self.step = step
+
+
 def choose_dtype(device: torch.device) -> str:
     """The precision a run uses by default: bf16 on GPUs that have it, fp16 on older GPUs, else fp32.
 
@@ -172,6 +181,12 @@ class Trainer:
         self.log = RunLog(self.out_dir, enabled=dist_info.is_main)
         self.history: list[dict] = []  # this process's records since it started
         self.train_seconds = 0.0  # time spent in train_step since this process started
+        self.saved_step: int | None = None  # the step checkpoint.pt holds, once this process saved or loaded it
+        self.stop_requested = False  # set by request_stop (e.g. from a signal handler)
+        for name in ("eval_tokens", "final_eval_tokens"):
+            if getattr(config, name) is not None and getattr(config, name) < model.config.context_length + 1:
+                raise ValueError(f"{name}={getattr(config, name)} is less than one evaluation window "
+                                 f"(context_length + 1 = {model.config.context_length + 1} tokens)")
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> tuple[float, float]:
@@ -213,14 +228,21 @@ class Trainer:
         return loss_value, norm_value
 
     # ------------------------------------------------------------------ the run
-    def fit(self, resume: bool = False, progress: bool = True) -> dict:
-        """Train to ``max_steps`` (from the last checkpoint when ``resume``); returns the summary."""
+    def fit(self, resume: bool = False, progress: bool = True, on_start: Callable[[], None] | None = None) -> dict:
+        """Train to ``max_steps`` (from the last checkpoint when ``resume``); returns the summary.
+
+        on_start: called once the run is set up (a resumed checkpoint accepted), before the first
+        step, e.g. to record the run's flags only when they fit. After ``request_stop`` the run
+        saves a checkpoint at the end of the step under way and raises ``TrainingStopped``.
+        """
         config = self.config
         if resume:
             self.load()  # also restores the random state the interrupted run had
         else:
             torch.manual_seed(config.seed + self.dist.rank)  # dropout masks differ between processes
             self.log.start()
+        if on_start is not None:
+            on_start()
         bar = None
         if self.dist.is_main and progress:
             from tqdm.auto import tqdm
@@ -252,9 +274,20 @@ class Trainer:
                 self.save()
             if out_of_time:
                 break
+            # Every process stops after the same step (a signal may reach them at different times).
+            if not last and distributed.any_process(self.stop_requested, self.device):
+                if self.saved_step != self.step:
+                    self.save()
+                if bar is not None:
+                    bar.close()
+                raise TrainingStopped(self.step, self.out_dir / CHECKPOINT_FILE)
         if bar is not None:
             bar.close()
         return self.finish()
+
+    def request_stop(self) -> None:
+        """Stop after the step under way, with a checkpoint of it (safe to call from a signal handler)."""
+        self.stop_requested = True
 
     def _speed(self, steps: int, seconds: float) -> dict:
         """Tokens per second and model FLOPs utilisation, over all processes."""
@@ -332,6 +365,7 @@ class Trainer:
         if self.dist.is_main:
             save_checkpoint(self.out_dir / CHECKPOINT_FILE, state)
         distributed.barrier()
+        self.saved_step = self.step
 
     def load(self) -> None:
         """Continue from checkpoint.pt: rank 0 reads it and hands it to every process."""
@@ -355,7 +389,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["batches"][self.dist.rank])
         set_rng_state(state["rng"][self.dist.rank])
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
         self.log.truncate(self.step)
 
     def finish(self) -> dict:

@@ -1,8 +1,10 @@
-"""Hugging Face checkpoints in and out: GPT-2 and Llama families, every tensor accounted for.
+"""Model weights from files: Hugging Face checkpoints in and out, and any model the course writes.
 
 A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). ``load_hf`` maps each tensor to our names and fails, naming
 the tensor, on anything missing, unexpected or mis-shaped; ``save_hf`` writes the reverse.
+``load_model_and_tokenizer`` opens every source a chapter produces (a pretraining run folder,
+its checkpoint.pt or model.safetensors, a Hugging Face folder) with the tokenizer that fits it.
 """
 
 import json
@@ -13,10 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from llmscratch.atomic import write_atomically, write_text_atomically
+from llmscratch.checkpoint import EXPORT_FORMAT, model_from_checkpoint, read_safetensors, tokenizer_from_checkpoint
 from llmscratch.model import GPT, GPTConfig
+from llmscratch.tokenizer import BPETokenizer
+
+GPT2_VOCAB_SIZE = 50257
 
 # HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
 _GPT2_LAYER = {  # ours -> HF, inside block i / h.i; "T" marks a transposed Conv1D weight
@@ -212,19 +218,9 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
     config = config_from_hf(_read_json(folder / "config.json"))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
-        shards = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise ValueError(f"{folder} has no model.safetensors (nor an index of shards)")
     tensors = {}
-    for shard in shards:
-        tensors.update(load_file(folder / shard))
+    for shard in _shard_files(folder):
+        tensors.update(read_safetensors(shard)[1])
     state = hf_to_ours(tensors, config)
     model = GPT(config)
     expected = model.state_dict()
@@ -234,6 +230,79 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
                              f"the config implies {tuple(expected[name].shape)}")
     model.load_state_dict(state, strict=True)
     return model.to(dtype) if dtype is not None else model
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face folder: those its index names, or model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        if not (folder / "model.safetensors").is_file():
+            raise ValueError(f"{folder} has no model.safetensors (nor an index of shards)")
+        return [folder / "model.safetensors"]
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
+    shards = sorted(set(weight_map.values()))
+    missing = [shard for shard in shards if not (folder / shard).is_file()]
+    if missing:
+        raise ValueError(f"{index} names shard file(s) {missing} that are not in {folder}: "
+                         "the download or copy is incomplete")
+    return [folder / shard for shard in shards]
+
+
+# --------------------------------------------------------------------------- any model
+def load_model_and_tokenizer(path: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None,
+                             map_location: str | torch.device = "cpu") -> tuple[GPT, BPETokenizer]:
+    """The model and its tokenizer from any source the course writes; ValueError naming a bad file.
+
+    ``path``: a pretraining run folder (its model.safetensors, else its checkpoint.pt), one of
+    those two files, or a Hugging Face folder (config.json + safetensors). Our files carry their
+    tokenizer; a Hugging Face folder gets GPT-2's. ``tokenizer_path`` (a JSON file saved by
+    ``BPETokenizer.save``) replaces either. The tokenizer must fit the model's vocabulary.
+    """
+    if tokenizer_path is not None and not Path(tokenizer_path).is_file():
+        raise ValueError(f"tokenizer {tokenizer_path}: no such file (expected a JSON file saved by BPETokenizer.save)")
+    tokenizer = BPETokenizer.load(tokenizer_path) if tokenizer_path is not None else None
+    source = _model_source(Path(path))
+    if source.is_dir():
+        model = load_hf(source)
+        tokenizer = tokenizer or _hf_tokenizer(source, model)
+    else:
+        model = model_from_checkpoint(source)
+        tokenizer = tokenizer or tokenizer_from_checkpoint(source)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
+                         f"{model.config.vocab_size:,}: they were not made for each other")
+    return model.to(map_location), tokenizer
+
+
+def _model_source(path: Path) -> Path:
+    """The Hugging Face folder, or our checkpoint.pt or model.safetensors, that ``path`` stands for."""
+    if path.is_dir() and not (path / "config.json").is_file():  # a training run's folder
+        found = [path / name for name in ("model.safetensors", "checkpoint.pt") if (path / name).is_file()]
+        if not found:
+            raise ValueError(f"{path} holds no model.safetensors or checkpoint.pt (a training run) and no "
+                             f"config.json (a Hugging Face checkpoint)")
+        path = found[0]  # the export (weights only) loads faster than the checkpoint
+    if path.is_file() and path.suffix == ".safetensors":
+        metadata = read_safetensors(path, tensors=False)[0]  # names a truncated file before anything reads it
+        if metadata.get("format") != EXPORT_FORMAT and (path.parent / "config.json").is_file():
+            return path.parent  # the weights of a Hugging Face folder: the folder has their config
+    return path
+
+
+def _hf_tokenizer(folder: Path, model: GPT) -> BPETokenizer:
+    """GPT-2's tokenizer, for a model of the GPT-2 family or with GPT-2's vocabulary size."""
+    vocab_size = model.config.vocab_size
+    if model.config.position == "learned":
+        if vocab_size < GPT2_VOCAB_SIZE:
+            raise ValueError(f"{folder}: a Hugging Face GPT-2 model is read with GPT-2's vocabulary "
+                             f"({GPT2_VOCAB_SIZE:,} tokens), but it has only {vocab_size:,}; pass --tokenizer")
+        return BPETokenizer.gpt2()
+    if vocab_size == GPT2_VOCAB_SIZE:  # e.g. ch04's pretrain.py --tokenizer gpt2 --preset llama-small
+        return BPETokenizer.gpt2()
+    raise ValueError(f"{folder} is a Llama-family checkpoint with {vocab_size:,} tokens; llmscratch ships "
+                     "no tokenizer for it: pass --tokenizer")
 
 
 def save_hf(model: GPT, path: str | os.PathLike) -> None:

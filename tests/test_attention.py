@@ -104,16 +104,26 @@ def test_decoding_with_kv_cache_equals_full_forward(fused, use_rope, chunks):
     torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-5, rtol=0)
 
 
-def test_kv_cache_reset_zeroes_it_for_reuse():
-    attention = make_attention(n_kv_heads=2)
-    cache = KVCache(batch_size=2, max_seq_len=8, n_kv_heads=2, head_dim=HEAD_DIM)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("use_rope", [False, True])
+@pytest.mark.parametrize("chunks", [[1] * 9, [5, 1, 1, 1, 1], [3, 4, 2]])
+def test_decoding_at_position_tensors_equals_full_forward(fused, use_rope, chunks):
+    """input_pos: the whole fixed-size cache is read, masked to the filled positions, at every step."""
+    attention, rope = make_attention(n_kv_heads=2, fused=fused), rope_or_none(use_rope)
+    x = torch.randn(3, sum(chunks), D_MODEL)
+    cache = KVCache(batch_size=3, max_seq_len=16, n_kv_heads=2, head_dim=HEAD_DIM)  # unfilled tail
+    cache.keys.fill_(1e4)  # whatever sits in the unfilled positions must not count
+    cache.values.fill_(1e4)
+    outputs, start_pos = [], 0
     with torch.no_grad():
-        attention(torch.randn(2, 5, D_MODEL), kv_cache=cache)
-        assert cache.keys.abs().sum() > 0 and cache.values.abs().sum() > 0
-        cache.reset()
-        assert not cache.keys.any() and not cache.values.any()
-        x = torch.randn(2, 4, D_MODEL)
-        torch.testing.assert_close(attention(x, kv_cache=cache), attention(x), atol=1e-6, rtol=0)
+        expected = attention(x, rope)
+        for size in chunks:
+            input_pos = torch.arange(start_pos, start_pos + size)
+            outputs.append(attention(x[:, start_pos : start_pos + size], rope, kv_cache=cache, input_pos=input_pos))
+            start_pos += size
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="input_pos needs a kv_cache"):
+        attention(x[:, :1], rope, input_pos=torch.tensor([0]))
 
 
 @pytest.mark.parametrize("prefill, chunk", [(0, 7), (3, 4), (6, 1)])

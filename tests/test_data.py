@@ -14,6 +14,7 @@ from llmscratch.assets import read_moby_dick
 from llmscratch.data import (
     RandomWindowBatches,
     SlidingWindowDataset,
+    check_token_ids,
     create_dataloader,
     load_token_meta,
     load_token_split,
@@ -204,6 +205,28 @@ def test_prepare_meta_and_val_split_is_the_tail(tmp_path, gpt2, moby_dick):
     assert train.tolist() == expected[:-n_val]
     assert val.tolist() == expected[-n_val:]
     assert (tmp_path / "tokens" / "val.bin").stat().st_size == 2 * n_val
+
+
+def test_prepare_again_replaces_the_token_files_and_nothing_else(tmp_path, gpt2, moby_dick):
+    first, second = write_documents(tmp_path, [moby_dick[:3_000], moby_dick[5_000:6_000]])
+    prepare_token_files(first, tmp_path / "tokens", gpt2)
+    (tmp_path / "tokens" / "notes.txt").write_text("kept")
+    meta = prepare_token_files(second, tmp_path / "tokens", gpt2, val_fraction=0.5)
+    assert read_all_tokens(tmp_path / "tokens") == gpt2.encode(moby_dick[5_000:6_000])
+    assert meta == load_token_meta(tmp_path / "tokens") and meta["source_files"] == [str(second)]
+    assert sorted(p.name for p in (tmp_path / "tokens").iterdir()) == ["meta.json", "notes.txt", "train.bin",
+                                                                       "val.bin"]  # no work folder left
+
+
+def test_check_token_ids_names_the_first_id_outside_the_vocabulary():
+    tokens = np.array([3, 1, 9, 0, 12, 9], dtype=np.int64)
+    check_token_ids(tokens, 13, "ids")  # all inside: no error
+    with pytest.raises(ValueError, match="ids holds token id 9 at position 2, outside the vocabulary of 9 ids"):
+        check_token_ids(tokens, 9, "ids", block=4)
+    with pytest.raises(ValueError, match="x holds token id 12 at position 4,"):
+        check_token_ids(tokens, 10, "x", block=4)  # in the second block
+    with pytest.raises(ValueError, match="token id -1 at position 1,"):
+        check_token_ids(np.array([0, -1, 5]), 10, "signed")
 
 
 def test_prepare_uses_uint32_for_a_large_vocabulary(tmp_path):

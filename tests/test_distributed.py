@@ -1,8 +1,7 @@
-"""DistributedDataParallel on CPU (gloo): two processes train exactly as one process with their joint batch."""
+"""DistributedDataParallel on CPU (gloo): two processes train as one process with their joint batch (to float32 rounding)."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from llmscratch import distributed
 from llmscratch.checkpoint import load_checkpoint
 from llmscratch.data import RandomWindowBatches
 from llmscratch.distributed import DistInfo, resolve_device
+from processes import run, spawn
 from tiny_training import TEXT, losses, make_trainer, tokens
+from tolerances import assert_adamw_runs_agree
 
 ROOT = Path(__file__).resolve().parents[1]
 # A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
@@ -25,21 +26,26 @@ STEPS = 6
 
 
 def ddp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
-    """3 steps, a checkpoint, a resume in new Trainers, 3 more steps; rank 0 writes what it saw."""
+    """3 steps, a checkpoint, a resume in new Trainers, 3 more steps; each rank writes what it saw."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    info = DistInfo(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
     try:
-        first = make_trainer(out_dir, dist_info=info, max_steps=STEPS // 2, **SETTINGS)
-        first.fit(progress=False)
-        second = make_trainer(out_dir, dist_info=info, max_steps=STEPS, **SETTINGS)
-        second.fit(resume=True, progress=False)
-        result = {"losses": losses(first) + losses(second), "val": second.evaluate(400),
-                  "state": second.raw_model.state_dict(), "peak_flops_all": second.peak_flops_all,
-                  "tokens_per_step": second.tokens_per_step}
+        result = train_and_resume(DistInfo(rank=rank, local_rank=rank, world_size=world_size,
+                                           device=torch.device("cpu")), out_dir)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        distributed.teardown()  # the Trainers and their DDP wrappers are gone by now: see teardown()
+
+
+def train_and_resume(info: DistInfo, out_dir: str) -> dict:
+    """The run itself, in its own function so that no Trainer outlives it (and the process group)."""
+    first = make_trainer(out_dir, dist_info=info, max_steps=STEPS // 2, **SETTINGS)
+    first.fit(progress=False)
+    second = make_trainer(out_dir, dist_info=info, max_steps=STEPS, **SETTINGS)
+    second.fit(resume=True, progress=False)
+    return {"losses": losses(first) + losses(second), "val": second.evaluate(400),
+            "state": second.raw_model.state_dict(), "peak_flops_all": second.peak_flops_all,
+            "tokens_per_step": second.tokens_per_step}
 
 
 class JointBatches:
@@ -53,8 +59,9 @@ class JointBatches:
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
 
 
+@pytest.mark.timeout(420)
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path):
-    mp.spawn(ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "run")), nprocs=2, join=True)
+    spawn(ddp_worker, (2, str(tmp_path / "store"), str(tmp_path / "run")), nprocs=2, timeout=300)
     ranks = [torch.load(tmp_path / "run" / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
     single = make_trainer(tmp_path / "single", max_steps=STEPS, **{**SETTINGS, "batch_size": 4})
@@ -62,11 +69,11 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     single_losses = [single.train_step()[0] for _ in range(STEPS)]
     reference = single.raw_model.state_dict()
 
-    for result in ranks:  # both processes hold the same weights, those of the single process
-        assert result["state"].keys() == reference.keys()
-        for name, tensor in reference.items():
-            torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-5, msg=name)
-        # The logged loss is the mean over both processes: the loss of the joint batch.
+    for result in ranks:  # both processes hold the weights of the single process, up to float32 rounding
+        assert_adamw_runs_agree(result["state"], reference, lr=SETTINGS["lr"], steps=STEPS)
+        # The logged loss is the mean over both processes: the loss of the joint batch. Losses of about 5
+        # nats agree to float32 rounding of the sums (~1e-6): the weights that rounding can move far
+        # (see tolerances.py) are those with near-zero gradients, to which the loss is insensitive.
         assert result["losses"] == pytest.approx(single_losses, abs=1e-5)
         # Evaluation: each process takes every other window; the sums are added up.
         single_val = single.evaluate(400)
@@ -79,6 +86,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     assert [b["rank"] for b in state["batches"]] == [0, 1]
 
 
+@pytest.mark.timeout(900)
 def test_torchrun_runs_the_pretraining_script_unchanged(tmp_path):
     """The script under torchrun with 2 CPU processes, then resumed under torchrun to more steps."""
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
@@ -88,12 +96,11 @@ def test_torchrun_runs_the_pretraining_script_unchanged(tmp_path):
                "--out-dir", str(tmp_path / "run"), "--eval-tokens", "128", "--final-eval-tokens", "256",
                "--peak-tflops", "1", "--no-progress", "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.run([*command, "--max-steps", "3"], capture_output=True, text=True, env=env, timeout=600)
+    first = run([*command, "--max-steps", "3"], env=env, timeout=400)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "2 process(es) on cpu" in first.stdout
     assert first.stdout.count("done in") == 1  # only rank 0 reports
-    second = subprocess.run([*command, "--max-steps", "5", "--resume"], capture_output=True, text=True, env=env,
-                            timeout=600)
+    second = run([*command, "--max-steps", "5", "--resume"], env=env, timeout=400)
     assert second.returncode == 0, second.stdout + second.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["tokens_seen"] == 5 * 2 * 2 * 16

@@ -59,6 +59,15 @@ def test_balanced_splits_are_balanced_disjoint_and_seeded():
     assert balanced_splits(toy_examples(), seed=2) != splits
 
 
+def test_too_few_of_a_class_is_named_before_any_split_is_empty():
+    examples = [(f"ham {i}", 0) for i in range(40)] + [(f"spam {i}", 1) for i in range(9)]
+    with pytest.raises(ValueError, match=r"too few examples: 40 ham and 9 spam \(distinct texts\); every class "
+                                         r"needs at least 10"):
+        balanced_splits(examples, names=("ham", "spam"))
+    splits = balanced_splits(examples + [("spam 9", 1)])  # ten of each: one validation example of each
+    assert [sorted(label for _, label in splits[name]) for name in ("validation", "test")] == [[0, 1], [0, 0, 1, 1]]
+
+
 def test_spam_splits_of_the_bundled_data():
     splits = spam_splits()
     # 4,862 messages, 4,534 distinct: 3,973 ham and 561 spam; 561 of each are kept.
@@ -212,6 +221,30 @@ def test_load_base_from_a_checkpoint_an_export_and_a_gpt2_folder(tmp_path):
         load_base(tmp_path / "hf_small")
 
 
+def test_load_base_takes_every_source_generate_takes(tmp_path):
+    """A run folder (its export first, else its checkpoint), a Hugging Face folder or its weights file."""
+    tokenizer = BPETokenizer.train("a b c abc " * 30, 262, special_tokens=["<|endoftext|>"])
+    model = tiny("llama", vocab_size=tokenizer.vocab_size).eval()
+    other = tiny("llama", seed=1, vocab_size=tokenizer.vocab_size).eval()
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoint.pt", {"model": other.state_dict(), "model_config": other.config.to_dict(),
+                                            "tokenizer": tokenizer.to_json()})
+    idx = torch.tensor([[1, 2, 3]])
+    assert torch.equal(load_base(run)[0](idx), other(idx))  # the checkpoint alone
+    export_model(model, run / "model.safetensors", tokenizer)
+    loaded, loaded_tokenizer = load_base(run)
+    assert torch.equal(loaded(idx), model(idx)) and loaded_tokenizer.merges == tokenizer.merges
+    gpt2 = tiny("gpt2", vocab_size=50257, d_model=8, n_heads=2, n_layers=1).eval()
+    save_hf(gpt2, tmp_path / "hf")
+    loaded, loaded_tokenizer = load_base(tmp_path / "hf" / "model.safetensors")
+    assert loaded_tokenizer.vocab_size == 50257 and torch.equal(loaded.eval()(idx), gpt2(idx))
+    tokenizer.save(tmp_path / "tokenizer.json")
+    assert load_base(run, tokenizer_path=tmp_path / "tokenizer.json")[1].merges == tokenizer.merges
+    BPETokenizer.gpt2().save(tmp_path / "gpt2.json")
+    with pytest.raises(ValueError, match="the tokenizer has 50,257 tokens but the model only 262"):
+        load_base(run, tokenizer_path=tmp_path / "gpt2.json")
+
+
 # =========================================================================== instruction data
 def test_the_bundled_instruction_data_is_valid_and_does_not_leak():
     records = validate_records(read_instructions())
@@ -261,6 +294,26 @@ def test_collate_on_a_hand_checked_batch():
     assert inputs.tolist() == [[5, 6, 7], [5, 3, 0]]
     assert targets.tolist() == [[-100, -100, 8], [3, 0, -100]]
     assert IGNORE_INDEX == -100
+
+
+def test_a_row_left_without_targets_is_an_error_not_a_nan():
+    examples = [([5, 6], [8]), ([5, 6, 7, 7, 7], [9])]  # the second prompt fills max_length=4
+    with pytest.raises(ValueError, match=r"row 1 of the batch: its prompt of 5 tokens leaves no output token "
+                                         r"within max_length=4"):
+        collate(examples, eos_id=0, mask_prompt=True, max_length=4)
+    inputs, targets = collate(examples, eos_id=0, mask_prompt=True, max_length=5)  # one target left: fine
+    assert targets[1].tolist() == [-100, -100, -100, -100, 9]
+
+
+def test_encode_records_refuses_records_that_do_not_fit_whole():
+    tokenizer = BPETokenizer([], special_tokens={"<|endoftext|>": 256})  # one token per byte
+    records = [{"instruction": "Say ab.", "input": "", "output": "ab"},
+               {"instruction": "Say ab, please.", "input": "x" * 50, "output": "ab"}]
+    prompt_0, prompt_1 = (len(format_prompt(r).encode()) for r in records)
+    assert [len(p) for p, _ in encode_records(records, tokenizer, context_length=prompt_1 + 2)] == [prompt_0, prompt_1]
+    with pytest.raises(ValueError, match=rf"1 record\(s\) do not fit the model's context_length={prompt_1 + 1} .*"
+                                         rf"record 1 \('Say ab, please\.'\): prompt {prompt_1} \+ output 2 \+ 1"):
+        encode_records(records, tokenizer, context_length=prompt_1 + 1)  # its end-of-text would be cut
 
 
 def test_response_loss_is_the_loss_on_outputs_only():

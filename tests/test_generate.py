@@ -5,14 +5,15 @@ import os
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
 
 import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
 
 from llmscratch.generate import (  # noqa: E402
-    generate, generate_text, ids_to_text, sample_next_token, stream, stream_text, text_to_ids,
-    top_k_filter, top_p_filter,
+    generate, generate_text, sample_next_token, stream, stream_text, top_k_filter, top_p_filter,
 )
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
@@ -85,6 +86,28 @@ def test_greedy_matches_transformers(tmp_path, build):
     assert all(len(set(row.tolist())) > 3 for row in expected[:, 8:])  # not one repeated token
     assert torch.equal(generate(ours, idx, 40), expected)
     assert torch.equal(generate(ours, idx, 40, use_cache=False), expected)
+
+
+def test_compiled_decoding_compiles_once_and_matches_eager_and_transformers(tmp_path):
+    """compile=True: one graph for 50 decoded tokens, the tokens of the eager path and of transformers."""
+    reference = hf_gpt2()  # learned positions: the position table is read at a tensor too
+    reference.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    idx = prompts(2, 8, ours.config.vocab_size, seed=4)
+    with torch.no_grad():
+        expected = reference.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=50,
+                                      do_sample=False)
+        top2 = reference(expected).logits[:, 7:-1].topk(2, dim=-1).values  # (B, 50, 2)
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-4  # no near-ties that rounding could flip
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(ours, idx, 50, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1  # 49 cached steps, one compilation
+    assert torch.equal(compiled, expected)
+    assert torch.equal(generate(ours, idx, 50), expected)
+    # Past the context (64 positions), the window slides as without the cache.
+    idx = prompts(1, 40, ours.config.vocab_size, seed=5)
+    assert torch.equal(generate(ours, idx, 30, compile=True), generate(ours, idx, 30, use_cache=False))
 
 
 def first_steps(rows: torch.Tensor, token: int) -> list[float]:
@@ -189,6 +212,21 @@ def test_top_k_one_and_a_tiny_top_p_are_greedy():
     generator = torch.Generator().manual_seed(0)
     assert torch.equal(generate(model, idx, 20, temperature=1.5, top_k=1, generator=generator), greedy)
     assert torch.equal(generate(model, idx, 20, temperature=1.5, top_p=1e-6, generator=generator), greedy)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30])
+def test_a_tiny_temperature_samples_the_largest_logits(temperature):
+    """As the temperature goes to 0, sampling becomes greedy (ties: any of the largest); never NaN."""
+    logits = torch.tensor([[2.0, 1.0, 2.0 - 1e-6, -3.0], [0.5, 3.0, 3.0, -1.0], [-5.0, -1.0, -1.0, -1.0]])
+    generator = torch.Generator().manual_seed(0)
+    draws = sample_next_token(logits.expand(200, 3, 4).reshape(600, 4).contiguous(), temperature,
+                              generator=generator).view(200, 3)
+    assert draws[:, 0].eq(0).all()  # one largest logit: greedy
+    assert set(draws[:, 1].tolist()) == {1, 2}  # tied largest logits: both drawn
+    assert set(draws[:, 2].tolist()) == {1, 2, 3}
+    model = tiny("llama")
+    idx = prompts(3, 5, model.config.vocab_size)
+    assert torch.equal(generate(model, idx, 10, temperature=1e-45, generator=generator), generate(model, idx, 10))
 
 
 def test_sampling_is_reproducible_with_a_seed():
@@ -323,20 +361,18 @@ def gpt2_tokenizer():
     return BPETokenizer.gpt2()
 
 
-def test_text_helpers_round_trip(gpt2_tokenizer):
-    reference = gpt2_encoding().encode(TEXT, allowed_special={"<|endoftext|>"})
+def test_a_special_token_written_in_the_prompt_is_one_id(gpt2_tokenizer):
+    """"<|endoftext|>" in a prompt is GPT-2's token 50256, not the 6 ids of its characters."""
+    ids = gpt2_tokenizer.encode(TEXT, allowed_special="all")
+    assert ids == gpt2_encoding().encode(TEXT, allowed_special={"<|endoftext|>"}) and 50256 in ids
+    prompt = TEXT[:TEXT.index("<|") + len("<|endoftext|>")]  # ends with the special token
+    model = successor_model({50256: ids[ids.index(50256) + 1]}, vocab_size=50257)  # after it: " It"
     for tokenizer in (gpt2_tokenizer, gpt2_encoding()):
-        ids = text_to_ids(TEXT, tokenizer)
-        assert ids.dtype == torch.long and ids.tolist() == [reference]
-        assert 50256 in reference
-        assert ids_to_text(ids, tokenizer) == TEXT
-        assert ids_to_text(ids[0], tokenizer) == TEXT
-    with pytest.raises(ValueError, match=r"one sequence.*got \(2, 3\)"):
-        ids_to_text(torch.zeros(2, 3, dtype=torch.long), gpt2_tokenizer)
+        assert generate_text(model, tokenizer, prompt, 1) == prompt + " It"
 
 
 def test_stream_text_yields_whole_characters_and_stops_at_eos(gpt2_tokenizer):
-    ids = text_to_ids(TEXT, gpt2_tokenizer)[0].tolist()
+    ids = gpt2_tokenizer.encode(TEXT, allowed_special="all")
     assert len(set(ids)) == len(ids)  # each token has one successor in the spelling model
     # The llama emoji is 4 bytes over several tokens: single tokens are not whole characters.
     assert any("\ufffd" in gpt2_tokenizer.decode([token]) for token in ids)

@@ -21,12 +21,6 @@ def read_moby_dick() -> str:
     return MOBY_DICK_PATH.read_text(encoding="utf-8")
 
 
-def read_sms_spam() -> list[tuple[str, str]]:
-    """The 4,862 (label, text) pairs of the SMS Spam Collection subset; label is "ham" or "spam"."""
-    lines = SMS_SPAM_PATH.read_text(encoding="utf-8").split("\n")  # not splitlines: texts may hold \x0c etc.
-    return [tuple(line.split("\t", 1)) for line in lines if line]
-
-
 def read_instructions() -> list[dict[str, str]]:
     """The generated instruction records: instruction, input, output, family and split of each."""
     return json.loads(INSTRUCTIONS_PATH.read_text(encoding="utf-8"))
