@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 
 import transformers  # noqa: E402
 
-from benchmarks.common import machine_description, median, time_once, today  # noqa: E402
+from benchmarks.common import (add_threads_flag, load_average, machine_description, median,  # noqa: E402
+                               set_threads, today)
 from llmscratch.generate import generate  # noqa: E402
 from llmscratch.model import GPT  # noqa: E402
+from llmscratch.profiling import time_once  # noqa: E402
 from llmscratch.weights import load_hf  # noqa: E402
 
 LABELS = {
@@ -112,7 +115,7 @@ def parse_args() -> argparse.Namespace:
                         help="how many of those rounds include the slow no-cache path (default 3)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length, batch 1 (default 32)")
     parser.add_argument("--new-tokens", type=int, default=200, help="tokens generated per call (default 200)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_threads_flag(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler's top operators of one cached fp32, one bf16 and one "
                              "compiled fp32 call")
@@ -124,18 +127,13 @@ def parse_args() -> argparse.Namespace:
     if args.prompt_tokens < 1 or args.new_tokens < 1 or args.prompt_tokens + args.new_tokens > 1024:
         parser.error(f"need a prompt and new tokens of at least 1 that together fit gpt2-small's 1024 "
                      f"positions; got {args.prompt_tokens} + {args.new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
+    set_threads(parser, args.threads)
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    # transformers' GPT-2 with its own random init and no EOS (every call generates all tokens);
-    # ours loads the very same weights from its checkpoint, in fp32 and in bf16.
+def gpt2_models() -> tuple[dict[str, torch.nn.Module], int]:
+    """transformers' GPT-2 with its own random init and no EOS (every call generates all tokens), and
+    ours with the very same weights loaded from its checkpoint; each in fp32 and in bf16. Also the vocabulary size."""
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     config = transformers.GPT2Config(bos_token_id=None, eos_token_id=None)
@@ -147,26 +145,34 @@ def main() -> None:
     theirs_bf16 = transformers.GPT2LMHeadModel(config).eval()
     theirs_bf16.load_state_dict(theirs.state_dict())
     theirs_bf16.to(torch.bfloat16)
-    idx = torch.randint(config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    return {"theirs": theirs, "theirs_bf16": theirs_bf16, "ours": ours, "ours_bf16": ours_bf16}, config.vocab_size
 
+
+def decoders_of(models: dict[str, torch.nn.Module], idx: torch.Tensor) -> dict[str, Callable[[int], torch.Tensor]]:
+    """Each candidate as a call that greedily decodes n new tokens after the prompt idx (1, T)."""
     def hf(model):
         return lambda n: model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, do_sample=False)
 
-    decoders = {
-        "transformers": hf(theirs),
-        "transformers-bf16": hf(theirs_bf16),
+    ours, ours_bf16 = models["ours"], models["ours_bf16"]
+    return {
+        "transformers": hf(models["theirs"]),
+        "transformers-bf16": hf(models["theirs_bf16"]),
         "cache": lambda n: generate(ours, idx, n),
         "cache-bf16": lambda n: generate(ours_bf16, idx, n),
         "compiled": lambda n: generate(ours, idx, n, compile=True),
         "no-cache": lambda n: generate(ours, idx, n, use_cache=False),
     }
+
+
+def time_rounds(args, decoders, fp32_bytes: float) -> tuple[dict, dict, list[float]]:
+    """Interleaved rounds of every candidate, each round also measuring the read bandwidth.
+
+    Returns each candidate's last output, its wall times, and the bandwidths in bytes per second.
+    """
     for name, decode in decoders.items():  # warm-up: first-call allocations and kernel choices
         # The compiled step is compiled for the caches' length: warm it up at the timed length.
         decode(args.new_tokens if name == "compiled" else 8)
-    fp32_bytes = bytes_read_per_token(ours, args.prompt_tokens, args.new_tokens)
-    bf16_bytes = bytes_read_per_token(ours_bf16, args.prompt_tokens, args.new_tokens)
     reader = torch.ones(int(fp32_bytes) // 4)  # as many bytes as one fp32 decoding step reads
-
     outputs, times, bandwidths = {}, {name: [] for name in decoders}, []
     for round_index in tqdm(range(args.runs), desc="interleaved rounds", file=sys.stderr):
         bandwidths.append(read_bandwidth(reader))
@@ -174,7 +180,17 @@ def main() -> None:
             if name == "no-cache" and round_index >= args.no_cache_runs:
                 continue
             times[name].append(time_once(lambda: outputs.__setitem__(name, decode(args.new_tokens))))
-    del reader
+    return outputs, times, bandwidths
+
+
+def main() -> None:
+    args = parse_args()
+    models, vocab_size = gpt2_models()
+    ours, ours_bf16 = models["ours"], models["ours_bf16"]
+    idx = torch.randint(vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    fp32_bytes = bytes_read_per_token(ours, args.prompt_tokens, args.new_tokens)
+    bf16_bytes = bytes_read_per_token(ours_bf16, args.prompt_tokens, args.new_tokens)
+    outputs, times, bandwidths = time_rounds(args, decoders_of(models, idx), fp32_bytes)
     expected = outputs["transformers"]
     assert torch.equal(outputs["cache"], expected), "greedy tokens differ from transformers"
     assert torch.equal(outputs["compiled"], expected), "compiled greedy tokens differ from transformers"
@@ -184,8 +200,18 @@ def main() -> None:
     agree = {name: int((outputs[name][0] == expected[0]).long().cumprod(0).sum()) - args.prompt_tokens
              for name in ("cache-bf16", "transformers-bf16")}
     report(args, times, bandwidths, fp32_bytes, bf16_bytes, agree)
-    kernel_rates = matrix_vector_kernels(ours)
-    print(f"\nCompiled decoding, fp32: {rate_of(args, times, 'compiled') / kernel_rates['fp32 F.linear']:.0%} of "
+    report_kernels(matrix_vector_kernels(ours), rate_of(args, times, "compiled"))
+    if args.profile:
+        for model in (ours, ours_bf16):
+            print(f"\ntorch.profiler, one cached call in {model.lm_head.weight.dtype}:\n")
+            print_profile(model, idx, args.new_tokens)
+        print("\ntorch.profiler, one compiled call in torch.float32:\n")
+        print_profile(ours, idx, args.new_tokens, compile=True)
+
+
+def report_kernels(kernel_rates: dict[str, float], compiled_rate: float) -> None:
+    """The compiled step against the matrix-vector products alone, and the table of those products."""
+    print(f"\nCompiled decoding, fp32: {compiled_rate / kernel_rates['fp32 F.linear']:.0%} of "
           f"the rate of the fp32 matrix-vector products alone (below; target where the floor is out of their "
           f"reach: at least 90%).")
     print("\nWhere a bf16 step's time goes: the matrix-vector products alone (every weight matrix and the "
@@ -197,12 +223,6 @@ def main() -> None:
         if not name.startswith("floor"):
             floor = kernel_rates["floor bf16" if name.startswith("bf16") else "floor fp32"]
             print(f"| {name} | {rate:.1f} | {rate / floor:.0%} |")
-    if args.profile:
-        for model in (ours, ours_bf16):
-            print(f"\ntorch.profiler, one cached call in {model.lm_head.weight.dtype}:\n")
-            print_profile(model, idx, args.new_tokens)
-        print("\ntorch.profiler, one compiled call in torch.float32:\n")
-        print_profile(ours, idx, args.new_tokens, compile=True)
 
 
 def rate_of(args, times, name) -> float:
@@ -216,7 +236,7 @@ def report(args, times, bandwidths, fp32_bytes, bf16_bytes, agree) -> None:
     floor = {"fp32": bandwidth / fp32_bytes, "bf16": bandwidth / bf16_bytes}
     print(f"### Decoding ({today()})\n")
     print(f"Command: `{' '.join(['python -m benchmarks.bench_generate', *sys.argv[1:]])}`  ")
-    print(f"Machine: {machine_description()}; load average {os.getloadavg()[0]:.1f} at the end  ")
+    print(f"Machine: {machine_description()}; load average {load_average()} at the end  ")
     print(f"Model: gpt2-small shape (124M parameters), random weights, eval; batch 1, a {args.prompt_tokens}-token "
           f"prompt, {args.new_tokens} new tokens, greedy. Tokens/s = new tokens / wall time of the whole call, "
           f"prefill included; medians of interleaved rounds after a warm-up. The fp32 candidates produce "

@@ -13,8 +13,9 @@ import random
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from benchmarks.common import interleaved_medians, machine_description, median, time_once, today
+from benchmarks.common import machine_description, median, today
 from llmscratch.assets import read_moby_dick
+from llmscratch.profiling import round_robin, time_once
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, load_gpt2_ranks
 
 LONG_CHUNK_BYTES = 1_000_000
@@ -46,7 +47,7 @@ def compare_encoders(text: str, runs: int, ranks: dict[bytes, int]) -> tuple[flo
         encoding = fresh_reference()
         return time_once(lambda: encoding.encode_ordinary(text))  # single-threaded
 
-    times = interleaved_medians({"llmscratch": ours, "tiktoken": theirs}, runs)
+    times = round_robin({"llmscratch": ours, "tiktoken": theirs}, runs)
     return median(times["llmscratch"]), median(times["tiktoken"]), len(expected)
 
 

@@ -26,13 +26,15 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
 
 import transformers  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-from benchmarks.common import load_average, machine_description, median, time_once, today  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_threads_flag, load_average, machine_description, median, set_threads, today,
+)
+from llmscratch.device import autocast  # noqa: E402
 from llmscratch.flops import measure_matmul_flops  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.profiling import peak_memory_bytes  # noqa: E402
-from llmscratch.train import TrainConfig, autocast, configure_optimizer  # noqa: E402
+from llmscratch.profiling import peak_memory_bytes, round_robin, time_once  # noqa: E402
+from llmscratch.train import TrainConfig, configure_optimizer  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -132,14 +134,14 @@ def measure(name: str, mode: str, args) -> dict:
         first[peer] = time_once(steps[peer])  # warm-up; compiles in a compiled mode
         for _ in range(args.warmup - 1):
             steps[peer]()
-    seconds = {peer: [] for peer in PEERS}
-    ceilings = {precision: [] for precision in CEILING_DTYPES}
     losses = {}
-    for _ in tqdm(range(runs), desc=f"{name} {mode}", leave=False):
-        for peer in PEERS:
-            seconds[peer].append(time_once(lambda step=steps[peer], peer=peer: losses.__setitem__(peer, step())))
-        for precision, ceiling_dtype in CEILING_DTYPES.items():  # the ceiling under the same load
-            ceilings[precision].append(measure_matmul_flops(ceiling_dtype, max_seconds=1.0))
+    candidates = {peer: lambda step=steps[peer], peer=peer: time_once(lambda: losses.__setitem__(peer, step()))
+                  for peer in PEERS}
+    for precision, ceiling_dtype in CEILING_DTYPES.items():  # the ceilings under the same load, in every round
+        candidates[precision] = lambda dtype=ceiling_dtype: measure_matmul_flops(dtype, max_seconds=1.0)
+    measured = round_robin(candidates, runs, description=f"{name} {mode}")
+    seconds = {peer: measured[peer] for peer in PEERS}
+    ceilings = {precision: measured[precision] for precision in CEILING_DTYPES}
     for peer, loss in losses.items():
         if not math.isfinite(loss):
             raise SystemExit(f"error: {peer} gave a non-finite loss {loss} in {mode}")
@@ -175,21 +177,20 @@ def parse_args() -> argparse.Namespace:
     add("--loss", choices=["targets", "logits"], default="targets",
         help="llmscratch's loss: targets = GPT(idx, targets=...), chunked (the normal path); logits = "
              "F.cross_entropy on the full logits (the explicit way) (default targets)")
-    add("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_threads_flag(parser)
     add("--no-memory", action="store_true", help="skip the peak-memory step (a profiled extra step per peer)")
     add("--seed", type=int, default=0, help="seed of the weights and the batch")
     args = parser.parse_args()
-    for name in ("runs", "warmup", "pad_vocab", "batch_size", "threads"):
+    for name in ("runs", "warmup", "pad_vocab", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    set_threads(parser, args.threads)
     return args
 
 
 def main() -> None:
     args = parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     transformers.utils.logging.set_verbosity_error()
     load_before = load_average()
     results = {}

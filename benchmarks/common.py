@@ -1,50 +1,42 @@
-"""Shared helpers for the benchmarks: what machine this is, and robust timing."""
+"""Shared helpers for the benchmarks: what machine this is, and its threads.
 
+Timing lives in the package (``llmscratch.profiling``: ``time_once``, ``round_robin``), where the
+chapters' bench scripts use it too.
+"""
+
+import argparse
 import datetime
 import os
 import platform
 import statistics
-import time
-from collections.abc import Callable
+
+import torch
 
 from llmscratch.flops import cpu_model
+
+__all__ = ["add_threads_flag", "load_average", "machine_description", "median", "set_threads", "today"]
 
 
 def machine_description() -> str:
     """CPU model, core count, Python and torch versions, in one line."""
-    cpu = cpu_model()
-    try:
-        import torch
-
-        torch_version = torch.__version__
-        threads = torch.get_num_threads()
-    except ImportError:
-        torch_version, threads = "absent", "?"
-    return (f"{cpu}, {os.cpu_count()} cores (torch threads {threads}), "
-            f"Python {platform.python_version()}, torch {torch_version}")
+    return (f"{cpu_model()}, {os.cpu_count()} cores (torch threads {torch.get_num_threads()}), "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
 def today() -> str:
     return datetime.date.today().isoformat()
 
 
-def time_once(fn: Callable[[], object]) -> float:
-    """Wall-clock seconds of one call."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
 
 
-def interleaved_medians(candidates: dict[str, Callable[[], float]], runs: int) -> dict[str, list[float]]:
-    """Run each candidate once per round, ``runs`` rounds, so machine noise hits all alike.
-
-    Each candidate returns the seconds it measured; returns every candidate's list of runs.
-    """
-    results = {name: [] for name in candidates}
-    for _ in range(runs):
-        for name, run in candidates.items():
-            results[name].append(run())
-    return results
+def set_threads(parser: argparse.ArgumentParser, threads: int | None) -> None:
+    """Give torch ``threads`` CPU threads (None: its own choice); parser.error if that is not a positive count."""
+    if threads is not None:
+        if threads < 1:
+            parser.error(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
 
 
 def median(values: list[float]) -> float:

@@ -12,6 +12,7 @@ is 1,190,317 characters in 1,204,997 bytes, and bits per byte are compared eithe
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -22,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine_description
+from benchmarks.common import add_threads_flag, machine_description, set_threads
 from llmscratch.assets import read_moby_dick
-from llmscratch.evaluation import autocast
+from llmscratch.device import autocast
 from llmscratch.model import GPT, GPTConfig
+from llmscratch.profiling import round_robin
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.train import TrainConfig, Trainer
 
@@ -69,6 +71,18 @@ def script_defaults() -> argparse.Namespace:
     return module.build_parser().parse_args([])
 
 
+def timed_step(model: GPT, batch: int, dtype: torch.dtype, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one training step on a random batch."""
+    x = torch.randint(model.config.vocab_size, (batch, model.config.context_length))
+    wall, cpu = time.perf_counter(), time.process_time()
+    with autocast("cpu", dtype):
+        loss = model(x, targets=x)  # the trainer's loss path
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def step_cost(rounds: int) -> dict:
     """Median seconds per optimizer step of the default run and of the baseline, interleaved.
 
@@ -85,21 +99,14 @@ def step_cost(rounds: int) -> dict:
     setups = {"default": (GPT(default), batch, torch.float32),
               "default_bfloat16": (GPT(default), batch, torch.bfloat16),  # the same step under bf16 autocast
               "baseline": (GPT(baseline_config), BASELINE_TRAIN["batch_size"], torch.float32)}
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for name, (m, _, _) in setups.items()}
-    times = {name: {"wall": [], "cpu": []} for name in setups}
-    for round_index in range(rounds + 1):
-        for name, (model, batch, dtype) in setups.items():
-            x = torch.randint(model.config.vocab_size, (batch, model.config.context_length))
-            wall, cpu = time.perf_counter(), time.process_time()
-            with autocast("cpu", dtype):
-                loss = model(x, targets=x)  # the trainer's loss path
-            loss.backward()
-            optimizers[name].step()
-            optimizers[name].zero_grad()
-            if round_index:  # the first round warms up
-                times[name]["wall"].append(time.perf_counter() - wall)
-                times[name]["cpu"].append(time.process_time() - cpu)
-    result = {name: {kind: statistics.median(values) for kind, values in t.items()} for name, t in times.items()}
+    steps = {}
+    for name, (model, batch, dtype) in setups.items():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        steps[name] = functools.partial(timed_step, model, batch, dtype, optimizer)
+    round_robin(steps, 1)  # a round to warm up
+    result = {name: {"wall": statistics.median(wall for wall, _ in runs),
+                     "cpu": statistics.median(cpu for _, cpu in runs)}
+              for name, runs in round_robin(steps, rounds).items()}
     result["default_run"] = f"{flags.preset}, {flags.max_steps} steps of {flags.batch_size} x {default.context_length}"
     for kind in ("wall", "cpu"):
         result[f"bfloat16_over_float32_{kind}"] = result["default_bfloat16"][kind] / result["default"][kind]
@@ -115,10 +122,9 @@ def main() -> None:
     parser.add_argument("what", choices=["baseline", "cost"])
     parser.add_argument("--steps", type=int, default=2000, help="baseline iterations (nanoGPT's CPU recipe: 2000)")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds of the cost comparison")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_threads_flag(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(parser, args.threads)
     print(machine_description())
     result = baseline(args.steps) if args.what == "baseline" else step_cost(args.rounds)
     print(json.dumps(result, indent=2))

@@ -6,8 +6,8 @@ saves a plot. Example: python ch02-attention/attention_bench.py --seq-lens 128 2
 """
 
 import argparse
+import functools
 import statistics
-import time
 from pathlib import Path
 
 import matplotlib
@@ -20,12 +20,12 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from llmscratch.attention import MultiHeadAttention
+from llmscratch.device import DTYPES, choose_dtype, resolve_device
 from llmscratch.flops import cpu_model
-from llmscratch.profiling import peak_memory_bytes, quiet_stderr
+from llmscratch.profiling import peak_memory_bytes, quiet_stderr, round_robin, time_once
 from llmscratch.rope import RotaryEmbedding
 
 VARIANTS = ("explicit", "fused", "compiled")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -51,16 +51,16 @@ def parse_args() -> argparse.Namespace:
     add("--threads", type=int, default=None,
         help="CPU threads for PyTorch (None: torch's default); 1 steadies timings on a shared machine")
     add("--dtype", choices=["auto", *DTYPES], default="auto",
-        help="auto: bfloat16 on cuda (what flash kernels need), float32 on cpu")
+        help="auto: bfloat16 on cuda (float16 on GPUs without it: flash kernels need 16 bits), float32 on cpu")
     add("--out", type=Path, default=Path("runs/attention_bench.png"), help="where to save the plot (PNG)")
     add("--seed", type=int, default=0, help="seed for the weights and inputs")
     args = parser.parse_args()
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda asked for, but this torch sees no CUDA device")
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+        args.dtype = choose_dtype(args.device)
     threads = [] if args.threads is None else [args.threads]
     if min(args.seq_lens + [args.batch_size, args.repeats] + threads) <= 0 or args.warmup < 1:
         parser.error("--seq-lens, --batch-size, --repeats and --threads must be positive, --warmup at least 1")
@@ -91,31 +91,15 @@ def make_step(module, rope, x: torch.Tensor, grad_out: torch.Tensor):
     return step
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def seconds(step, device: str) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
 def time_variants(steps: dict, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """For each variant: (seconds of its first step, compilation included; median of the timed steps)."""
     first = {}
     for name, step in steps.items():
-        first[name] = seconds(step, args.device)
+        first[name] = time_once(step, args.device)
         for _ in range(args.warmup - 1):
             step()
-    timings = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        # Round-robin, so that a slow spell of a shared machine hits every variant alike.
-        for name, step in steps.items():
-            timings[name].append(seconds(step, args.device))
+    timings = round_robin({name: functools.partial(time_once, step, args.device) for name, step in steps.items()},
+                          args.repeats)
     return {name: (first[name], statistics.median(timings[name])) for name in steps}
 
 
@@ -128,11 +112,11 @@ def sdpa_kernels(module, rope, x: torch.Tensor) -> str:
 
 
 def describe_machine(args: argparse.Namespace) -> str:
-    if args.device == "cuda":
+    if args.device.type == "cuda":
         where = torch.cuda.get_device_name()
     else:
         where = f"{cpu_model()}, {torch.get_num_threads()} threads"
-    return f"torch {torch.__version__} on {args.device} ({where}), {args.dtype}"
+    return f"torch {torch.__version__} on {args.device.type} ({where}), {args.dtype}"
 
 
 def print_table(results: dict, args: argparse.Namespace) -> None:
@@ -200,7 +184,7 @@ def main() -> None:
             results[name][seq_len] = {"ms": median_s * 1e3, "mib": mib, "first_s": first_s}
     print_table(results, args)
     plot(results, args, title)
-    memory_note = ("torch.cuda.max_memory_allocated" if args.device == "cuda"
+    memory_note = ("torch.cuda.max_memory_allocated" if args.device.type == "cuda"
                    else "PyTorch CPU allocations replayed from the profiler")
     print(f"peak memory: {memory_note}, above what was held before the step")
     if "compiled" in variants:

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.device import DTYPES, resolve_device
 from llmscratch.generate import stream_text
 from llmscratch.weights import load_model_and_tokenizer  # every model source the course writes, one loader
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a tokenizer JSON file to use instead of the checkpoint's own (or of GPT-2's for a Hugging Face folder)")
     add("--dtype", choices=sorted(DTYPES), default="float32",
         help="precision of the weights and the computation (default float32; bfloat16 halves the memory)")
-    add("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... (default: cuda if available, else cpu)")
+    add("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', 'mps', ... (default: cuda if available, else cpu)")
     add("--compile", action="store_true",
         help="compile the decoding step with torch.compile: the same text, faster per token once compiled "
              "(the first step waits for the compiler, tens of seconds on a CPU)")
@@ -63,14 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.ignore_eos and args.eos_id is not None:
         parser.error("--eos-id and --ignore-eos contradict each other: give one of them")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        args.device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device!r} is not a device name like 'cpu' or 'cuda'")
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+        args.device = resolve_device(args.device)
+    except ValueError as err:  # "device 'x' is not a device name; ...": as the flag, "--device 'x' ..."
+        parser.error(f"--{err}")
     return args
 
 

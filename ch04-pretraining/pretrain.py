@@ -13,7 +13,6 @@ and sample.txt.
 import argparse
 import contextlib
 import json
-import math
 import os
 import signal
 import sys
@@ -29,40 +28,31 @@ from llmscratch import distributed
 from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.atomic import remove_stale_temporaries, write_text_atomically
 from llmscratch.checkpoint import export_model, load_checkpoint, tokenizer_from_checkpoint
+from llmscratch.cli import HelpFormatter, add_flags, build_config, finite_float, refuse
 from llmscratch.data import load_token_meta, load_token_split
+from llmscratch.device import DTYPES, choose_dtype, resolve_device
 from llmscratch.model import GPT, PRESETS, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
-from llmscratch.train import (CHECKPOINT_FILE, DTYPES, TrainConfig, Trainer, TrainingDiverged, TrainingStopped,
-                              choose_dtype)
+from llmscratch.train import CHECKPOINT_FILE, TrainConfig, Trainer, TrainingDiverged, TrainingStopped
 
 RUN_FILE = "run.json"  # the flags of the run, so that --resume needs no others
 TOKENIZER_FILE = "tokenizer.json"
-FLOAT32_MAX = 3.4028234663852886e38  # the weights' precision: a larger learning rate overflows in the optimizer
-
-
-def finite_float(text: str) -> float:
-    """argparse type: a finite number that float32 can hold."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of at most {FLOAT32_MAX:.1e} "
-                                         f"(what float32 can hold)")
-    return value
+# The default run: what the flags of TrainConfig's fields start from (--min-lr's default follows --lr).
+DEFAULTS = TrainConfig(max_steps=800, batch_size=8, lr=2e-3, warmup_steps=50, eval_interval=100, eval_tokens=16384,
+                       checkpoint_interval=100, sample_interval=200)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags: TrainConfig's fields (help and checks from llmscratch.config), then the script's own."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--data", type=Path, nargs="+", default=[MOBY_DICK_PATH], metavar="PATH",
                    help="UTF-8 text file(s), or one folder of token files made by llmscratch.data."
                         "prepare_token_files (train.bin, val.bin, meta.json; for corpora too big for "
                         "memory). Default: the bundled Moby-Dick")
     d.add_argument("--val-fraction", type=finite_float, default=0.1,
-                   help="text files only: the last fraction of the characters held out for validation "
-                        "(default: %(default)s)")
+                   help="text files only: the last fraction of the characters held out for validation")
     d.add_argument("--tokenizer", default="bpe:4096",
                    help="bpe:N trains a byte-level BPE of N tokens on the training split (text files only); "
                         "gpt2 is GPT-2's 50,257-token vocabulary; or the path of a tokenizer JSON saved "
@@ -76,55 +66,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer (default: %(default)s, 5.8M parameters with 4,096 tokens)")
     m.add_argument("--context-length", type=int, default=None,
                    help="tokens per training window (default: the preset's)")
-    m.add_argument("--dropout", type=finite_float, default=0.0, help="dropout probability (default: %(default)s)")
+    m.add_argument("--dropout", type=finite_float, default=0.0, help="dropout probability")
     t = p.add_argument_group("training")
-    t.add_argument("--max-steps", type=int, default=800, help="optimizer steps (default: %(default)s)")
-    t.add_argument("--batch-size", type=int, default=8,
-                   help="sequences per micro-step on each process (default: %(default)s)")
-    t.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-steps per optimizer step: the global batch is batch-size x grad-accum x "
-                        "processes sequences (default: %(default)s)")
-    t.add_argument("--lr", type=finite_float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    add_flags(t, DEFAULTS, "max_steps", "batch_size", "grad_accum", "lr")
     t.add_argument("--min-lr", type=finite_float, default=None, help="end of the cosine decay (default: lr / 10)")
-    t.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps (default: %(default)s)")
-    t.add_argument("--weight-decay", type=finite_float, default=0.1,
-                   help="AdamW weight decay on weight matrices (default: %(default)s)")
-    t.add_argument("--grad-clip", type=finite_float, default=1.0,
-                   help="clip the global gradient norm to this; 0 turns it off (default: %(default)s)")
+    add_flags(t, DEFAULTS, "warmup_steps", "weight_decay", "grad_clip")
     t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
-                        "on older GPUs, float32 on CPU (default: %(default)s)")
-    t.add_argument("--compile", action="store_true", help="run the model through torch.compile")
+                        "on older GPUs, float32 on CPU")
+    add_flags(t, DEFAULTS, "compile")
     t.add_argument("--device", default="auto",
-                   help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK "
-                        "(default: %(default)s)")
-    t.add_argument("--seed", type=int, default=1337, help="seed of the weights, data order and samples")
+                   help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK")
+    add_flags(t, DEFAULTS, "seed")
     t.add_argument("--time-budget", type=finite_float, default=None, metavar="MINUTES",
                    help="stop after this much training time (final evaluation and checkpoint included "
                         "in the run, not in the budget); the step count stays the schedule's length")
     r = p.add_argument_group("run folder, logging and checkpoints")
-    r.add_argument("--out-dir", type=Path, default=Path("runs/pretrain"), help="run folder (default: %(default)s)")
+    r.add_argument("--out-dir", type=Path, default=Path("runs/pretrain"), help="run folder")
     r.add_argument("--resume", action="store_true",
                    help="continue the run in --out-dir from its checkpoint, with its flags and tokenizer (flags "
                         "given now override them, e.g. a larger --max-steps); Ctrl-C or SIGTERM stops a run "
                         "after the step under way with a checkpoint of it")
     r.add_argument("--overwrite", action="store_true", help="start afresh in an --out-dir that holds a run")
-    r.add_argument("--eval-interval", type=int, default=100, help="steps between evaluations (default: %(default)s)")
-    r.add_argument("--eval-tokens", type=int, default=16384,
-                   help="validation tokens per periodic evaluation (default: %(default)s)")
-    r.add_argument("--final-eval-tokens", type=int, default=None,
-                   help="validation tokens of the final evaluation (default: all of them)")
-    r.add_argument("--checkpoint-interval", type=int, default=100,
-                   help="steps between checkpoints; one is always written at the end (default: %(default)s)")
-    r.add_argument("--sample-interval", type=int, default=200, help="steps between samples (default: %(default)s)")
-    r.add_argument("--sample-prompt", default="Call me", help="prompt of the samples (default: %(default)r)")
-    r.add_argument("--log-interval", type=int, default=10,
-                   help="steps between tokens/s and MFU measurements (default: %(default)s)")
-    r.add_argument("--peak-tflops", type=finite_float, default=None,
-                   help="peak TFLOP/s of one device for MFU (default: a table of GPUs, or this CPU measured once)")
+    add_flags(r, DEFAULTS, "eval_interval", "eval_tokens", "final_eval_tokens", "checkpoint_interval",
+              "sample_interval", "sample_prompt", "log_interval", "peak_tflops")
     r.add_argument("--export-dtype", default="float32", choices=sorted(DTYPES),
-                   help="precision of the weights in model.safetensors; bfloat16 halves the file "
-                        "(default: %(default)s)")
+                   help="precision of the weights in model.safetensors; bfloat16 halves the file")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. for log files)")
     return p
 
@@ -183,25 +150,20 @@ def read_run_flags(out_dir: Path) -> dict:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """parser.error (a message and exit status 2) for any flag that cannot work, before any work starts."""
-    for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_tokens",
-                 "checkpoint_interval", "sample_interval", "log_interval"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    if args.final_eval_tokens is not None and args.final_eval_tokens < 1:
-        parser.error(f"--final-eval-tokens must be a positive integer, got {args.final_eval_tokens}")
-    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "dropout", "warmup_steps", "time_budget",
-                 "peak_tflops"):
-        value = getattr(args, name)
-        if value is not None and not value >= 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
     if args.context_length is not None and args.context_length < 2:
         parser.error(f"--context-length must be at least 2, got {args.context_length}")
-    if args.time_budget == 0 or args.peak_tflops == 0:
-        parser.error("--time-budget and --peak-tflops must be positive")
+    if args.time_budget is not None and not args.time_budget > 0:
+        parser.error(f"--time-budget must be positive, got {args.time_budget}")
+    try:
+        train_config_for(args, device)  # TrainConfig's own checks, each named by its flag
+    except ValueError as err:
+        refuse(parser, err)
     try:  # e.g. --dropout 1: found now, not after the tokenizer is trained (which sets the vocabulary)
         context_length = model_config_for(args, vocab_size=1).context_length
     except ValueError as err:
@@ -229,10 +191,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if (args.out_dir / CHECKPOINT_FILE).exists() and not (args.resume or args.overwrite):
         parser.error(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it, "
                      f"--overwrite to start again, or choose another --out-dir")
-    try:
-        distributed.resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
 
 
 def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path) -> None:
@@ -331,20 +289,16 @@ def model_config_for(args, vocab_size: int) -> GPTConfig:
     return GPTConfig.from_preset(args.preset, **overrides)
 
 
+def train_config_for(args, device: torch.device) -> TrainConfig:
+    """The TrainConfig the flags describe; --dtype auto, --min-lr's default and --time-budget settled here."""
+    return build_config(TrainConfig, args, dtype=choose_dtype(device) if args.dtype == "auto" else args.dtype,
+                        min_lr=args.lr / 10 if args.min_lr is None else args.min_lr,
+                        max_time=None if args.time_budget is None else args.time_budget * 60)
+
+
 def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[GPTConfig, TrainConfig]:
     vocab_size = -(-tokenizer.vocab_size // 64) * 64  # a multiple of 64: faster matrix multiplies on GPUs
-    model_config = model_config_for(args, vocab_size)
-    train_config = TrainConfig(
-        max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-        min_lr=args.lr / 10 if args.min_lr is None else args.min_lr, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, eval_interval=args.eval_interval,
-        eval_tokens=args.eval_tokens, final_eval_tokens=args.final_eval_tokens,
-        checkpoint_interval=args.checkpoint_interval,
-        sample_interval=args.sample_interval, sample_prompt=args.sample_prompt, log_interval=args.log_interval,
-        dtype=choose_dtype(device) if args.dtype == "auto" else args.dtype, compile=args.compile,
-        seed=args.seed, peak_tflops=args.peak_tflops,
-        max_time=None if args.time_budget is None else args.time_budget * 60)
-    return model_config, train_config
+    return model_config_for(args, vocab_size), train_config_for(args, device)
 
 
 def run_flags(args) -> dict:
@@ -430,7 +384,7 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
         with stop_on_signals(trainer, say):
             summary = trainer.fit(resume=args.resume, progress=not args.no_progress, on_start=record_run)
         if dist.is_main:
-            export_model(trainer.raw_model, args.out_dir / "model.safetensors", tokenizer, DTYPES[args.export_dtype])
+            export_model(trainer.model, args.out_dir / "model.safetensors", tokenizer, DTYPES[args.export_dtype])
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -11,7 +11,6 @@ llmscratch.classify.Classifier.load, then .classify(text)) and, with LoRA, adapt
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -21,10 +20,8 @@ from llmscratch.assets import SMS_SPAM_PATH
 from llmscratch.classify import (
     SPAM_LABELS, Classifier, GPTClassifier, classification_loss, evaluate_classifier, make_batches, spam_splits,
 )
-from llmscratch.finetune import (
-    FinetuneConfig, add_arguments, check_arguments, config_from_args, end_of_text_id, fit, load_base,
-    set_trainable,
-)
+from llmscratch.cli import add_finetune_flags, check_finetune_flags, finetune_config, value_errors_exit
+from llmscratch.finetune import FinetuneConfig, end_of_text_id, fit, load_base, set_trainable
 from llmscratch.lora import lora_layers, merge_lora, save_adapters
 
 DEFAULTS = FinetuneConfig(epochs=3, batch_size=8, lr=5e-4, trainable="all", last_k=2)
@@ -35,7 +32,7 @@ EXAMPLE_MESSAGES = ["Hey, are we still meeting for lunch tomorrow?",
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(parser, DEFAULTS)
+    add_finetune_flags(parser, DEFAULTS)
     parser.add_argument("--data", type=Path, default=SMS_SPAM_PATH,
                         help="the labelled messages: one 'ham<TAB>text' or 'spam<TAB>text' per line "
                              "(default: the bundled SMS Spam Collection)")
@@ -45,9 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 32 training messages, 1 epoch, 32 tokens per message")
     args = parser.parse_args(argv)
-    check_arguments(parser, args)
-    if not args.data.is_file():
-        parser.error(f"--data {args.data}: no such file")
+    check_finetune_flags(parser, args)
     if args.max_length < 1:
         parser.error(f"--max-length must be at least 1, got {args.max_length}")
     return args
@@ -77,24 +72,20 @@ def plot(history: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        config = config_from_args(args)
-        run(args, config)
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    with value_errors_exit():  # e.g. a malformed --data file: a message, not a traceback
+        run(args, finetune_config(args))
 
 
 def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
-    start = time.perf_counter()
-    device = args.device
+    start, device = time.perf_counter(), args.device
     torch.manual_seed(config.seed)
     splits = spam_splits(seed=config.seed, path=args.data)  # a malformed file fails before the model loads
     gpt, tokenizer = load_base(args.base, device, args.tokenizer)
     pad_id = end_of_text_id(tokenizer)
     max_length = min(args.max_length, gpt.config.context_length)
-    if args.test_mode:
+    if args.test_mode:  # and one epoch: finetune_config saw to that
         splits = {"train": splits["train"][:32], "validation": splits["validation"][:16], "test": splits["test"][:16]}
-        config.epochs, max_length = 1, min(max_length, 32)
+        max_length = min(max_length, 32)
     encoded = {name: [(tokenizer.encode(text, disallowed_special=()) or [pad_id], label) for text, label in split]
                for name, split in splits.items()}
     print(f"{args.base}: {gpt.num_params():,} parameters; messages per split: "

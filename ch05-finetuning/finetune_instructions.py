@@ -14,7 +14,6 @@ llmscratch.checkpoint.model_from_checkpoint accept) and, with LoRA, adapters.saf
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -22,10 +21,8 @@ import torch
 
 from llmscratch.assets import INSTRUCTIONS_PATH
 from llmscratch.checkpoint import export_model
-from llmscratch.finetune import (
-    FinetuneConfig, add_arguments, check_arguments, config_from_args, end_of_text_id, fit, load_base,
-    set_trainable,
-)
+from llmscratch.cli import add_finetune_flags, check_finetune_flags, finetune_config, value_errors_exit
+from llmscratch.finetune import FinetuneConfig, end_of_text_id, fit, load_base, set_trainable
 from llmscratch.instruct import (
     comparison_table, encode_records, evaluate_responses, lm_loss, make_batches, respond, response_loss,
     validate_records,
@@ -39,7 +36,7 @@ SPLITS = ("train", "validation", "test")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(parser, DEFAULTS)
+    add_finetune_flags(parser, DEFAULTS)
     parser.add_argument("--data", type=Path, default=INSTRUCTIONS_PATH,
                         help="a JSON list of records (instruction, input, output, split; family optional)")
     parser.add_argument("--train-on-prompt", action="store_true",
@@ -50,11 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a smoke test in seconds: 2 training records per family, 1 epoch, "
                              "1 test record per family")
     args = parser.parse_args(argv)
-    check_arguments(parser, args)
-    if not args.data.is_file():
-        parser.error(f"--data {args.data}: no such file")
+    check_finetune_flags(parser, args)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.test_mode:
+        args.max_new_tokens = min(args.max_new_tokens, 8)
     return args
 
 
@@ -88,21 +85,15 @@ def score(model, tokenizer, records, encoded, eos_id, args, max_length, dtype) -
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        run(args, config_from_args(args))
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    with value_errors_exit():  # e.g. a malformed --data record: a message, not a traceback
+        run(args, finetune_config(args))
 
 
 def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     start = time.perf_counter()
-    device = args.device
     torch.manual_seed(config.seed)
     splits = read_splits(args.data, args.test_mode)
-    if args.test_mode:
-        config.epochs = 1
-        args.max_new_tokens = min(args.max_new_tokens, 8)
-    model, tokenizer = load_base(args.base, device, args.tokenizer)
+    model, tokenizer = load_base(args.base, args.device, args.tokenizer)
     eos_id = end_of_text_id(tokenizer)
     max_length = model.config.context_length
     encoded = {}
@@ -126,7 +117,7 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     validation = encoded["validation"]
     history = fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, eos_id, mask_prompt,
                                                     max_length, shuffle_seed=config.seed + epoch),
-                  lm_loss, config, device,
+                  lm_loss, config, args.device,
                   evaluate=(lambda: {"response_loss": response_loss(model, validation, eos_id, max_length=max_length,
                                                                     dtype=dtype)}) if validation else None,
                   progress=not args.no_progress, description="instructions")

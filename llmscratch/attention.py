@@ -162,6 +162,14 @@ class KVCache:
         return self.keys[:batch_size], self.values[:batch_size]  # (B, n_kv, T_max, hs)
 
 
+def check_heads(d_out: int, n_heads: int, n_kv_heads: int, width_name: str = "d_out") -> None:
+    """ValueError unless the heads split d_out evenly and the query heads fall into equal groups."""
+    if d_out % n_heads:
+        raise ValueError(f"{width_name}={d_out} is not divisible by n_heads={n_heads}")
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
+
+
 class MultiHeadAttention(nn.Module):
     """Causal self-attention with n_heads query heads sharing n_kv_heads key/value heads.
 
@@ -193,10 +201,7 @@ class MultiHeadAttention(nn.Module):
                 f"sizes must be positive; got d_in={d_in}, d_out={d_out}, "
                 f"n_heads={n_heads}, n_kv_heads={n_kv_heads}"
             )
-        if d_out % n_heads:
-            raise ValueError(f"d_out={d_out} is not divisible by n_heads={n_heads}")
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
+        check_heads(d_out, n_heads, n_kv_heads)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1); got dropout={dropout}")
         self.d_out = d_out

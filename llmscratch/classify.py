@@ -17,10 +17,11 @@ from torch import nn
 
 from llmscratch.assets import SMS_SPAM_PATH
 from llmscratch.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from llmscratch.device import autocast
+from llmscratch.evaluation import evaluating
 from llmscratch.lora import lora_layers
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
-from llmscratch.evaluation import autocast
 
 SPAM_LABELS = ("ham", "spam")  # class 0, class 1 (the positive class)
 
@@ -196,17 +197,15 @@ def classification_metrics(predictions: Sequence[int], labels: Sequence[int], n_
 def evaluate_classifier(model: GPTClassifier, batches, dtype: torch.dtype = torch.float32,
                         positive: int | None = 1) -> dict:
     """Mean loss and ``classification_metrics`` over batches, in eval mode."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     predictions, labels, loss_sum = [], [], 0.0
-    for ids, lengths, batch_labels in batches:
-        with autocast(device, dtype):
-            logits = model(ids.to(device), lengths.to(device)).float()  # (B, n_classes)
-        loss_sum += F.cross_entropy(logits, batch_labels.to(device), reduction="sum").item()
-        predictions += logits.argmax(-1).tolist()
-        labels += batch_labels.tolist()
-    model.train(was_training)
+    with evaluating(model):
+        for ids, lengths, batch_labels in batches:
+            with autocast(device, dtype):
+                logits = model(ids.to(device), lengths.to(device)).float()  # (B, n_classes)
+            loss_sum += F.cross_entropy(logits, batch_labels.to(device), reduction="sum").item()
+            predictions += logits.argmax(-1).tolist()
+            labels += batch_labels.tolist()
     metrics = classification_metrics(predictions, labels, model.n_classes, positive)
     return {"loss": loss_sum / len(labels), **metrics}
 
@@ -227,8 +226,8 @@ class Classifier:
         """The probability of each label for one text."""
         ids = self.tokenizer.encode(text, disallowed_special=())[: self.max_length] or [self.pad_id]
         device = next(self.model.parameters()).device
-        self.model.eval()
-        logits = self.model(torch.tensor([ids], device=device), torch.tensor([len(ids)], device=device))  # (1, C)
+        with evaluating(self.model):
+            logits = self.model(torch.tensor([ids], device=device), torch.tensor([len(ids)], device=device))  # (1, C)
         probs = torch.softmax(logits.float()[0], dim=-1).tolist()
         return dict(zip(self.labels, probs))
 

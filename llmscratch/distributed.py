@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from llmscratch.device import resolve_device
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -29,27 +31,6 @@ class DistInfo:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """'auto' is CUDA when available, else CPU; anything else must exist on this machine."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device {name!r} is not a device name; expected auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} was asked for, but this torch sees no CUDA GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"device {name!r} was asked for, but MPS is not available here")
-    elif device.type != "cpu":
-        raise ValueError(f"device {name!r} is not supported; expected auto, cpu, cuda, cuda:N or mps")
-    return device
 
 
 def setup(device_name: str = "auto") -> DistInfo:

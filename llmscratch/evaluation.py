@@ -7,22 +7,15 @@ total loss in bits divided by the number of UTF-8 bytes the predicted tokens sta
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmscratch import distributed
+from llmscratch.device import autocast
 from llmscratch.losses import IGNORE_INDEX
-
-
-def autocast(device: torch.device | str, dtype: torch.dtype):
-    """Mixed precision for the forward pass (CUDA or CPU); a no-op context in float32."""
-    device = torch.device(device)
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -43,9 +36,15 @@ def bits_per_byte(loss: float, bytes_per_token: float) -> float:
     return loss / math.log(2) / bytes_per_token
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of logits (B, T, V) against the next tokens (B, T), in float32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode (dropout off) inside the block, then in the mode it had, even after an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
@@ -70,30 +69,28 @@ def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, ba
     n_windows = (usable - 1) // context
     if n_windows < 1:
         raise ValueError(f"evaluation needs at least context_length + 1 = {context + 1} tokens, got {usable}")
-    was_training = model.training
-    model.eval()
     nats = count = n_bytes = 0.0
     mine = range(dist_info.rank, n_windows, dist_info.world_size)
-    for first in range(0, len(mine), batch_size):
-        starts = [s * context for s in mine[first : first + batch_size]]
-        n_real = len(starts)
-        # A short last batch is padded with copies of its last window (and their loss dropped):
-        # one shape for every batch, so a compiled model is not compiled again for the remainder.
-        starts += starts[-1:] * (batch_size - n_real)
-        windows = np.stack([tokens[s : s + context + 1] for s in starts])  # (B, T + 1)
-        windows = torch.from_numpy(windows.astype(np.int64)).to(device)
-        inputs, targets = windows[:, :-1], windows[:, 1:].clone()  # (B, T) each
-        n_bytes += token_bytes[targets[:n_real].cpu()].sum().item()
-        targets[n_real:] = IGNORE_INDEX  # the padding rows do not count
-        with autocast(device, dtype):
-            mean = model(inputs, targets=targets)  # () mean over the real rows; no (B, T, V) logits kept
-        nats += mean.item() * n_real * context
-        count += n_real * context
-    model.train(was_training)
+    with evaluating(model):
+        for first in range(0, len(mine), batch_size):
+            starts = [s * context for s in mine[first : first + batch_size]]
+            n_real = len(starts)
+            # A short last batch is padded with copies of its last window (and their loss dropped):
+            # one shape for every batch, so a compiled model is not compiled again for the remainder.
+            starts += starts[-1:] * (batch_size - n_real)
+            windows = np.stack([tokens[s : s + context + 1] for s in starts])  # (B, T + 1)
+            windows = torch.from_numpy(windows.astype(np.int64)).to(device)
+            inputs, targets = windows[:, :-1], windows[:, 1:].clone()  # (B, T) each
+            n_bytes += token_bytes[targets[:n_real].cpu()].sum().item()
+            targets[n_real:] = IGNORE_INDEX  # the padding rows do not count
+            with autocast(device, dtype):
+                mean = model(inputs, targets=targets)  # () mean over the real rows; no (B, T, V) logits kept
+            nats += mean.item() * n_real * context
+            count += n_real * context
     # float64 keeps the sums exact enough; on CUDA the tensor must live on the GPU for NCCL.
     totals = torch.tensor([nats, count, n_bytes], dtype=torch.float64,
                           device=device if device.type == "cuda" else "cpu")
     nats, count, n_bytes = distributed.all_reduce_sum(totals).tolist()
     loss = nats / count
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-            "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else float("nan")}
+            "bits_per_byte": bits_per_byte(loss, n_bytes / count) if n_bytes else float("nan")}

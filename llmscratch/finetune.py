@@ -6,68 +6,21 @@ pretraining runs or a Hugging Face GPT-2 folder), choose what trains with ``set_
 and train with ``fit``, which reuses pretraining's optimizer, schedule and mixed precision.
 """
 
-import math
+import functools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmscratch.assets import PRETRAINED_PATH
-from llmscratch.distributed import resolve_device
-from llmscratch.lora import LoRAConfig, apply_lora, count_parameters
-from llmscratch.model import GPT
+from llmscratch.config import FinetuneConfig
+from llmscratch.lora import apply_lora
+from llmscratch.model import GPT, count_parameters
+from llmscratch.optim import OptimizerStep
+from llmscratch.runlog import progress_bar
 from llmscratch.tokenizer import BPETokenizer
-from llmscratch.evaluation import autocast
-from llmscratch.train import DTYPES, TrainConfig, configure_optimizer, learning_rate
 from llmscratch.weights import load_model_and_tokenizer
-
-TRAINABLE = ("head", "last-k", "all", "lora")
-
-
-@dataclass
-class FinetuneConfig:
-    """How to finetune: epochs, batch, learning rate, precision, and which parameters train."""
-
-    epochs: int = 3
-    batch_size: int = 8
-    lr: float = 1e-4  # peak learning rate, after warmup; cosine decay to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1
-    warmup_fraction: float = 0.1  # share of all steps spent warming up
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    dtype: str = "float32"  # "float32", "bfloat16" or "float16" (autocast)
-    seed: int = 123
-    trainable: str = "all"  # "head", "last-k" (last_k blocks + final norm + head), "all" or "lora"
-    last_k: int = 1
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # used when trainable == "lora"
-
-    def __post_init__(self):
-        for name in ("epochs", "batch_size", "last_k"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
-        if self.trainable not in TRAINABLE:
-            raise ValueError(f"trainable={self.trainable!r} is not one of {TRAINABLE}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def train_config(self, steps_per_epoch: int) -> TrainConfig:
-        """The pretraining config whose optimizer and schedule this run reuses."""
-        steps = self.epochs * steps_per_epoch
-        return TrainConfig(max_steps=steps, batch_size=self.batch_size, lr=self.lr, min_lr=self.lr * self.min_lr_ratio,
-                           warmup_steps=int(self.warmup_fraction * steps), weight_decay=self.weight_decay,
-                           grad_clip=self.grad_clip, dtype=self.dtype, seed=self.seed)
 
 
 def load_base(path: str | os.PathLike, map_location: str | torch.device = "cpu",
@@ -129,103 +82,34 @@ def fit(
 
     batches(epoch) lists that epoch's batches (shuffled as the caller likes); loss_fn(model,
     batch) is the mean loss of one batch; evaluate() gives validation metrics after each epoch.
-    AdamW, warmup + cosine schedule and autocast come from ``llmscratch.train``.
+    Each batch is one step of pretraining's ``llmscratch.optim.OptimizerStep`` (AdamW, warmup +
+    cosine schedule, autocast); a NaN or infinite loss raises its ``TrainingDiverged``.
     """
     first = batches(0)
     if not first:
         raise ValueError("there are no training batches: the training split is empty")
     train_config = config.train_config(len(first))
     model.to(device)
-    optimizer = configure_optimizer(model, train_config, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "float16")
-    dtype = train_config.torch_dtype
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    history = [{"epoch": 0, **({f"val_{k}": v for k, v in evaluate().items()} if evaluate else {})}]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=train_config.max_steps, desc=description, unit="step")
-    step = 0
-    for epoch in range(1, config.epochs + 1):
-        model.train()
-        total, count = 0.0, 0
-        for batch in first if epoch == 1 else batches(epoch - 1):
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, train_config)
-            with autocast(device, dtype):
-                loss = loss_fn(model, batch)
-            loss_value = loss.item()
-            if not math.isfinite(loss_value):
-                raise ValueError(f"epoch {epoch}, step {step}: the loss is {loss_value}; try a lower learning rate")
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip if config.grad_clip > 0 else float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            total, count, step = total + loss_value, count + 1, step + 1
+    optimizer_step = OptimizerStep(model, train_config, device, advice="try a lower learning rate")
+    batch_loss = functools.partial(loss_fn, model)
+    history = [{"epoch": 0, **_validation(evaluate)}]
+    with progress_bar(progress, train_config.max_steps, description, "step") as bar:
+        for epoch in range(1, config.epochs + 1):
+            model.train()
+            total, count = 0.0, 0
+            for batch in first if epoch == 1 else batches(epoch - 1):
+                loss, _ = optimizer_step([batch], batch_loss)
+                total, count = total + loss, count + 1
+                if bar is not None:
+                    bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", refresh=False)
+                    bar.update(1)
+            record = {"epoch": epoch, "train_loss": total / count, **_validation(evaluate)}
+            history.append(record)
             if bar is not None:
-                bar.set_postfix(epoch=epoch, loss=f"{loss_value:.3f}", refresh=False)
-                bar.update(1)
-        record = {"epoch": epoch, "train_loss": total / count}
-        if evaluate is not None:
-            record.update({f"val_{k}": v for k, v in evaluate().items()})
-        history.append(record)
-        if bar is not None:
-            bar.write(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
-    if bar is not None:
-        bar.close()
+                bar.write(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
     model.eval()
     return history
 
 
-# --------------------------------------------------------------------------- scripts
-def add_arguments(parser, defaults: FinetuneConfig) -> None:
-    """The command-line flags both finetuning scripts share, with this task's defaults."""
-    parser.add_argument("--base", type=Path, default=PRETRAINED_PATH,
-                        help="the model to start from: a run folder of ch04-pretraining/pretrain.py (e.g. "
-                             "runs/pretrain), the model.safetensors or checkpoint.pt in it, or a Hugging Face "
-                             "GPT-2 folder (config.json + model.safetensors); default: the bundled model of "
-                             "pretrain.py's default run")
-    parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="a tokenizer JSON file to use instead of the base's own (or of GPT-2's for a "
-                             "Hugging Face folder)")
-    parser.add_argument("--trainable", choices=TRAINABLE, default=defaults.trainable,
-                        help="what trains: the head only, the last k blocks + final norm + head, everything, "
-                             "or LoRA adapters (+ the head)")
-    parser.add_argument("--last-k", type=int, default=defaults.last_k, help="blocks that train with --trainable last-k")
-    parser.add_argument("--lora", action="store_true", help="shorthand for --trainable lora")
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora.rank, help="rank of the LoRA matrices")
-    parser.add_argument("--lora-alpha", type=float, default=defaults.lora.alpha,
-                        help="LoRA scale: the update is multiplied by alpha / rank")
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the training split")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (warmup, then cosine decay)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="examples per optimizer step")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
-                        help="autocast precision (bfloat16 on recent GPUs); weights stay float32")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the splits, shuffling and init")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def check_arguments(parser, args) -> None:
-    """parser.error (a message and exit status 2) for a shared flag that cannot work; resolves --device."""
-    if not args.base.exists():
-        parser.error(f"--base {args.base}: no such file or folder (expected a run folder of "
-                     "ch04-pretraining/pretrain.py, its model.safetensors or checkpoint.pt, or a Hugging Face "
-                     "GPT-2 folder)")
-    if args.tokenizer is not None and not args.tokenizer.is_file():
-        parser.error(f"--tokenizer {args.tokenizer}: no such file")
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
-
-
-def config_from_args(args) -> FinetuneConfig:
-    """The FinetuneConfig the shared flags describe (ValueError naming a bad value)."""
-    lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha)
-    return FinetuneConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, dtype=args.dtype,
-                          seed=args.seed, trainable="lora" if args.lora else args.trainable,
-                          last_k=args.last_k, lora=lora)
+def _validation(evaluate: Callable[[], dict[str, float]] | None) -> dict[str, float]:
+    return {f"val_{k}": v for k, v in evaluate().items()} if evaluate is not None else {}

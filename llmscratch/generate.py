@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llmscratch.attention import KVCache
+from llmscratch.evaluation import evaluating
 from llmscratch.model import GPT, GPTConfig
 
 
@@ -24,6 +25,11 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Logits (..., V) with all but the k largest of each row set to -inf (ties with the k-th kept)."""
     if k < 1:
         raise ValueError(f"top_k must be at least 1, got {k}")
+    return _keep_top_k(logits, k)
+
+
+def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``top_k_filter`` for a k already checked (the decoding loop checks it once, not per token)."""
     k = min(k, logits.size(-1))
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
     return logits.masked_fill(logits < kth_largest, float("-inf"))  # (..., V)
@@ -36,6 +42,11 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {p}")
+    return _keep_top_p(logits, p)
+
+
+def _keep_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """``top_p_filter`` for a p already checked."""
     if p == 1.0:  # all tokens: the float cumulative sum may reach 1.0 before the last one
         return logits
     probs = torch.softmax(logits.float(), dim=-1)  # (..., V)
@@ -85,9 +96,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
     shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)  # (B, V), all <= 0
     logits = (shifted / temperature).float()  # (B, V)
     if top_k is not None:
-        logits = top_k_filter(logits, top_k)
+        logits = _keep_top_k(logits, top_k)
     if top_p is not None:
-        logits = top_p_filter(logits, top_p)
+        logits = _keep_top_p(logits, top_p)
     # Sample from probabilities: multinomial treats its input as unnormalised weights, so
     # log-probabilities (negative numbers) would be a silent, wrong distribution.
     probs = torch.softmax(logits, dim=-1)  # (B, V)
@@ -199,12 +210,8 @@ def compiled_decode_one_token() -> Callable[..., torch.Tensor]:
 
 @torch.inference_mode()  # on a generator function, torch enters the mode around each step only
 def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
-    was_training = model.training
-    model.eval()  # dropout off
-    try:
+    with evaluating(model):  # dropout off
         yield from _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
-    finally:
-        model.train(was_training)
 
 
 def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmscratch.device import autocast
+from llmscratch.evaluation import evaluating
 from llmscratch.generate import generate
-from llmscratch.evaluation import autocast, next_token_loss
 from llmscratch.losses import IGNORE_INDEX
+from llmscratch.runlog import progress_bar
 
 HEADER = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 FIELDS = ("instruction", "input", "output")
@@ -128,27 +130,25 @@ def make_batches(encoded: Sequence[tuple[list[int], list[int]]], batch_size: int
 
 
 def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss over the targets that are not IGNORE_INDEX."""
+    """Mean next-token loss over the targets that are not IGNORE_INDEX: the model's own loss path."""
     device = next(model.parameters()).device
     inputs, targets = (t.to(device) for t in batch)
-    return next_token_loss(model(inputs), targets)  # logits (B, T, V)
+    return model(inputs, targets=targets)  # () no (B, T, V) logits kept (llmscratch.losses)
 
 
 @torch.no_grad()
 def response_loss(model: nn.Module, encoded: Sequence[tuple[list[int], list[int]]], eos_id: int,
                   batch_size: int = 16, max_length: int | None = None, dtype: torch.dtype = torch.float32) -> float:
     """Loss (nats per token) on the outputs and their end-of-text token, the prompts masked."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for inputs, targets in make_batches(encoded, batch_size, eos_id, mask_prompt=True, max_length=max_length):
-        with autocast(device, dtype):
-            logits = model(inputs.to(device))  # (B, T, V)
-        targets = targets.to(device)
-        total += next_token_loss(logits, targets, reduction="sum").item()
-        count += int((targets != IGNORE_INDEX).sum())
-    model.train(was_training)
+    with evaluating(model):
+        for inputs, targets in make_batches(encoded, batch_size, eos_id, mask_prompt=True, max_length=max_length):
+            batch_count = int((targets != IGNORE_INDEX).sum())
+            with autocast(device, dtype):
+                mean = lm_loss(model, (inputs, targets))  # () over the batch's unmasked targets
+            total += mean.item() * batch_count
+            count += batch_count
     return total / count
 
 
@@ -197,24 +197,18 @@ def respond(model: nn.Module, tokenizer, records: Sequence[dict], max_new_tokens
                              f"within context_length={context}")
         by_length.setdefault(len(prompt), []).append(index)
     responses: list[Response | None] = [None] * len(prompts)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(prompts), desc="answering", unit="prompt")
-    for length, indices in by_length.items():
-        steps = min(max_new_tokens, context - length + 1)  # the last new token is never fed back
-        for start in range(0, len(indices), batch_size):
-            chosen = indices[start : start + batch_size]
-            idx = torch.tensor([prompts[i] for i in chosen], device=device)  # (b, length)
-            with autocast(device, dtype):
-                out = generate(model, idx, steps, eos_id=eos_id)  # (b, length + n)
-            for row, i in enumerate(chosen):
-                responses[i] = parse_response(out[row, length:].tolist(), tokenizer, eos_id)
-            if bar is not None:
-                bar.update(len(chosen))
-    if bar is not None:
-        bar.close()
+    with progress_bar(progress, len(prompts), "answering", "prompt") as bar:
+        for length, indices in by_length.items():
+            steps = min(max_new_tokens, context - length + 1)  # the last new token is never fed back
+            for start in range(0, len(indices), batch_size):
+                chosen = indices[start : start + batch_size]
+                idx = torch.tensor([prompts[i] for i in chosen], device=device)  # (b, length)
+                with autocast(device, dtype):
+                    out = generate(model, idx, steps, eos_id=eos_id)  # (b, length + n)
+                for row, i in enumerate(chosen):
+                    responses[i] = parse_response(out[row, length:].tolist(), tokenizer, eos_id)
+                if bar is not None:
+                    bar.update(len(chosen))
     return responses
 
 

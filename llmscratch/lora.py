@@ -142,11 +142,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    """Parameters of the model, each shared (tied) tensor once; optionally only the trainable ones."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
 def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
     """Write the A and B matrices of every adapter (and their rank and alpha) to a safetensors file."""
     layers = lora_layers(model)

@@ -8,9 +8,16 @@ reused by every chunk, and the gradients of ``hidden`` and ``weight`` are finish
 forward pass (the softmax is at hand then), so the backward pass only scales them. The matrix products are
 the same three as the plain way; what goes is the (N, V) traffic and memory. The plain way stays
 the reference: the tests hold this one to it.
+
+The output layer, the "head", may be any module from hidden vectors to logits. A plain
+``nn.Linear`` without bias is its weight alone, multiplied into the kept buffers
+(``linear_cross_entropy``). Any other head (LoRA on the output layer, say) is called on each
+chunk with autograd recording, and the chunk's logit gradient is sent back through it at once
+(``head_cross_entropy``). The loss, its softmax gradient and the bookkeeping are one loop for both.
 """
 
 import torch
+from torch import nn
 
 IGNORE_INDEX = -100  # the target that F.cross_entropy skips by default (padding, prompt tokens)
 
@@ -20,71 +27,163 @@ def default_chunk_rows(vocab_size: int, budget_bytes: int = 64 * 2**20) -> int:
     return max(16, budget_bytes // (4 * vocab_size))
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``; gradients made in forward."""
+class _LinearHead:
+    """logits = hidden @ weight.T, the plain output layer: its products go into buffers kept for all chunks."""
+
+    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype):
+        self.params = (weight,)
+        self.compute_dtype = compute_dtype
+
+    def start(self, rows: int, want_hidden: bool, want_params: list[bool]) -> None:
+        # Buffers reused by every chunk: a fresh (c, V) tensor per chunk costs page faults on CPU.
+        w = self.weight = self.params[0].to(self.compute_dtype)  # (V, d): one cast for all chunks
+        acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
+        self.mixed = self.compute_dtype != acc_dtype  # e.g. bf16 products, float32 sums
+        self.logits_buf = torch.empty(rows, w.size(0), dtype=self.compute_dtype, device=w.device)  # (c, V)
+        self.grad_weight = torch.zeros(w.shape, dtype=acc_dtype, device=w.device) if want_params[0] else None
+        if self.mixed and self.grad_weight is not None:  # each chunk's product in compute_dtype, summed in acc_dtype
+            self.part, self.part_acc = torch.empty_like(w), torch.empty_like(self.grad_weight)  # (V, d) each
+
+    def inputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(self.compute_dtype)  # (N, d)
+
+    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+        return torch.mm(h_c, self.weight.t(), out=self.logits_buf[: h_c.size(0)])  # (c, V)
+
+    def backward(self, grad_logits: torch.Tensor, logits: torch.Tensor, h_c: torch.Tensor, keep_c: torch.Tensor,
+                 grad_h: torch.Tensor | None) -> None:
+        """Add the chunk's weight gradient; write its hidden gradient (c, d) into grad_h."""
+        g = logits.copy_(grad_logits) if self.mixed else grad_logits  # (c, V) in compute_dtype
+        # Ignored rows must contribute nothing: zero them in the (c, d) factors, not in g (c, V).
+        keep_rows = keep_c[:, None].to(self.compute_dtype)  # (c, 1)
+        if grad_h is not None:
+            torch.mm(g, self.weight, out=grad_h).mul_(keep_rows)  # (c, d)
+        if self.grad_weight is not None and self.mixed:  # a product in compute_dtype, summed in acc_dtype
+            # Converting into a kept buffer first: a mixed-dtype add_ was 2.5x slower on CPU.
+            self.grad_weight += self.part_acc.copy_(torch.mm(g.t(), h_c * keep_rows, out=self.part))  # (V, d)
+        elif self.grad_weight is not None:
+            self.grad_weight.addmm_(g.t(), h_c * keep_rows)  # (V, d) += (V, c) @ (c, d)
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return [self.grad_weight]
+
+
+class _ModuleHead:
+    """Any head module, called on each chunk under the caller's autocast; gradients through autograd."""
+
+    def __init__(self, module: nn.Module, device_type: str):
+        self.module = module
+        self.params = tuple(module.parameters())
+        self.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+
+    def start(self, rows: int, want_hidden: bool, want_params: list[bool]) -> None:
+        self.want_hidden = want_hidden
+        self.wanted = [p for p, want in zip(self.params, want_params) if want]
+        # Summed in float32 at least, as the plain head's weight gradient is.
+        self.sums = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+                     if want else None for p, want in zip(self.params, want_params)]
+
+    def inputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # (N, d): the head casts what it needs, as when called directly
+
+    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+        self.h_c = h_c.detach().requires_grad_(self.want_hidden)
+        device_type, dtype, enabled = self.autocast
+        with torch.set_grad_enabled(self.want_hidden or bool(self.wanted)), \
+                torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return self.module(self.h_c)  # (c, V)
+
+    def backward(self, grad_logits: torch.Tensor, logits: torch.Tensor, h_c: torch.Tensor, keep_c: torch.Tensor,
+                 grad_h: torch.Tensor | None) -> None:
+        """Send the chunk's logit gradient back through the head; add its parameters' gradients."""
+        g = grad_logits.to(logits.dtype).mul_(keep_c[:, None])  # (c, V): ignored rows send nothing back
+        inputs = ([self.h_c] if grad_h is not None else []) + self.wanted
+        grads = list(torch.autograd.grad(logits, inputs, g, allow_unused=True))
+        if grad_h is not None:
+            grad_h.copy_(grads.pop(0))  # (c, d)
+        wanted = iter(grads)
+        for total in self.sums:
+            if total is not None and (grad := next(wanted)) is not None:
+                total += grad
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return self.sums
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of a head's logits against ``targets``; gradients made in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows, compute_dtype, ignore_index, grad_enabled):
-        n_rows = hidden.size(0)
-        h = hidden.to(compute_dtype)  # (N, d)
-        w = weight.to(compute_dtype)  # (V, d): one cast for all chunks
+    def forward(ctx, hidden, targets, head, chunk_rows, ignore_index, grad_enabled, *params):
         # needs_input_grad is True under no_grad too: grad_enabled says whether anyone will ask.
         want_hidden = grad_enabled and ctx.needs_input_grad[0]
-        want_weight = grad_enabled and ctx.needs_input_grad[1]
-        grad_hidden = torch.empty(h.shape, dtype=compute_dtype, device=h.device) if want_hidden else None  # (N, d)
-        # Softmax and sums in float32 at least (float64 stays float64), whatever the product dtype.
-        acc_dtype = torch.promote_types(compute_dtype, torch.float32)
-        grad_weight = torch.zeros(w.shape, dtype=acc_dtype, device=w.device) if want_weight else None
+        want_params = [grad_enabled and want for want in ctx.needs_input_grad[6:]]
+        n_rows = hidden.size(0)
         n_chunks = max(1, -(-n_rows // chunk_rows))
         rows = max(1, -(-n_rows // n_chunks))  # equal chunks: no small leftover with a slow matrix product
-        mixed = compute_dtype != acc_dtype  # e.g. bf16 products, float32 softmax
-        # Buffers reused by every chunk: a fresh (c, V) tensor per chunk costs page faults on CPU.
-        logits_buf = torch.empty(rows, w.size(0), dtype=compute_dtype, device=w.device)  # (c, V)
-        logp_buf = torch.empty(rows, w.size(0), dtype=acc_dtype, device=w.device)  # (c, V)
-        upcast_buf = torch.empty_like(logp_buf) if mixed else None  # (c, V)
-        if mixed and grad_weight is not None:  # each chunk's product in compute_dtype, then in acc_dtype
-            part_buf, part_acc = torch.empty_like(w), torch.empty_like(grad_weight)  # (V, d) each
-        keep = targets != ignore_index  # (N,)
-        safe_targets = targets.masked_fill(~keep, 0)  # (N,) any valid index; those rows are zeroed
-        total = torch.zeros((), dtype=acc_dtype, device=w.device)
-        for start in range(0, n_rows, rows):
-            stop = min(start + rows, n_rows)
-            c = stop - start
-            h_c, t_c, keep_c = h[start:stop], safe_targets[start:stop], keep[start:stop]  # (c, d), (c,), (c,)
-            logits = torch.mm(h_c, w.t(), out=logits_buf[:c])  # (c, V)
-            scores = upcast_buf[:c].copy_(logits) if mixed else logits  # (c, V) in acc_dtype
-            logp = torch.log_softmax(scores, dim=-1, out=logp_buf[:c])  # (c, V)
-            picked = logp.gather(1, t_c[:, None]).squeeze(1)  # (c,) log-probability of each target
-            total -= torch.where(keep_c, picked, 0.0).sum()
-            if grad_hidden is None and grad_weight is None:
-                continue
-            # d(-log p_t)/d(logits) = softmax - one_hot(t); ignored rows contribute nothing.
-            grad_logits = logp.exp_()  # (c, V), in place: the log-probabilities are no longer needed
-            grad_logits[torch.arange(c, device=w.device), t_c] -= 1.0
-            g = logits.copy_(grad_logits) if mixed else grad_logits  # (c, V) in compute_dtype
-            # Ignored rows must contribute nothing: zero them in the (c, d) factors, not in g (c, V).
-            keep_rows = keep_c[:, None].to(compute_dtype)  # (c, 1)
-            if grad_hidden is not None:
-                torch.mm(g, w, out=grad_hidden[start:stop]).mul_(keep_rows)  # (c, d)
-            if grad_weight is not None and mixed:  # a product in compute_dtype, summed in acc_dtype
-                # Converting into a kept buffer first: a mixed-dtype add_ was 2.5x slower on CPU.
-                grad_weight += part_acc.copy_(torch.mm(g.t(), h_c * keep_rows, out=part_buf))  # (V, d)
-            elif grad_weight is not None:
-                grad_weight.addmm_(g.t(), h_c * keep_rows)  # (V, d) += (V, c) @ (c, d)
-        count = keep.sum()
-        ctx.save_for_backward(grad_hidden, grad_weight, count)
-        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
+        head.start(rows, want_hidden, want_params)
+        h = head.inputs(hidden)  # (N, d)
+        grad_hidden = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_hidden else None  # (N, d)
+        total, count = _chunk_by_chunk(h, targets, head, rows, ignore_index, grad_hidden,
+                                       want_hidden or any(want_params))
+        ctx.save_for_backward(grad_hidden, count, *head.grads())
+        ctx.dtypes = hidden.dtype, [p.dtype for p in params]
         return total / count  # a mean over no targets is nan, as F.cross_entropy's
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight, count = ctx.saved_tensors
+        grad_hidden, count, *param_grads = ctx.saved_tensors
         scale = grad_output / count  # the mean's 1/N, times the incoming gradient
+        hidden_dtype, param_dtypes = ctx.dtypes
         if grad_hidden is not None:
-            grad_hidden = (grad_hidden * scale).to(ctx.hidden_dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+            grad_hidden = (grad_hidden * scale).to(hidden_dtype)
+        param_grads = [None if g is None else (g * scale).to(dtype) for g, dtype in zip(param_grads, param_dtypes)]
+        return grad_hidden, None, None, None, None, None, *param_grads
+
+
+def _chunk_by_chunk(h, targets, head, rows, ignore_index, grad_hidden, want_grads):
+    """The summed -log p(target) of the kept rows and their count; each chunk's gradients made on the way.
+
+    h (N, d) and targets (N,); grad_hidden (N, d) receives the hidden gradients, the head keeps its own.
+    """
+    keep = targets != ignore_index  # (N,)
+    safe_targets = targets.masked_fill(~keep, 0)  # (N,) any valid index; those rows are zeroed
+    # Softmax and sums in float32 at least (float64 stays float64), whatever the product dtype.
+    total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+    logp_buf = upcast_buf = None
+    for start in range(0, h.size(0), rows):
+        stop = min(start + rows, h.size(0))
+        c = stop - start
+        h_c, t_c, keep_c = h[start:stop], safe_targets[start:stop], keep[start:stop]  # (c, d), (c,), (c,)
+        logits = head.logits(h_c)  # (c, V)
+        if logp_buf is None:  # buffers reused by every chunk
+            logp_buf = torch.empty(rows, logits.size(1), dtype=total.dtype, device=logits.device)  # (c, V)
+            upcast_buf = torch.empty_like(logp_buf) if logits.dtype != total.dtype else None  # (c, V)
+        scores = logits if upcast_buf is None else upcast_buf[:c].copy_(logits)  # (c, V) in total's dtype
+        logp = torch.log_softmax(scores, dim=-1, out=logp_buf[:c])  # (c, V)
+        picked = logp.gather(1, t_c[:, None]).squeeze(1)  # (c,) log-probability of each target
+        total -= torch.where(keep_c, picked, 0.0).sum()
+        if want_grads:
+            # d(-log p_t)/d(logits) = softmax - one_hot(t); ignored rows contribute nothing.
+            grad_logits = logp.exp_()  # (c, V), in place: the log-probabilities are no longer needed
+            grad_logits[torch.arange(c, device=logits.device), t_c] -= 1.0
+            head.backward(grad_logits, logits, h_c, keep_c, None if grad_hidden is None else grad_hidden[start:stop])
+    return total, keep.sum()
+
+
+def _apply(hidden: torch.Tensor, targets: torch.Tensor, head, chunk_rows: int, ignore_index: int) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen by the head, explicitly
+        return _ChunkedCrossEntropy.apply(hidden, targets.long(), head, chunk_rows, ignore_index,
+                                          torch.is_grad_enabled(), *head.params)
+
+
+def _check_rows(hidden: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None) -> None:
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must have shape ({hidden.size(0)},), got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class ids, got dtype {targets.dtype}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows}")
 
 
 # Left out of torch.compile graphs: the loop is already a few large kernels per chunk, and traced
@@ -103,18 +202,34 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
         raise ValueError(f"need hidden (N, d) and weight (V, d); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must have shape ({hidden.size(0)},), got {tuple(targets.shape)}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be integer class ids, got dtype {targets.dtype}")
-    if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows}")
+    _check_rows(hidden, targets, chunk_rows)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     chunk_rows = default_chunk_rows(weight.size(0)) if chunk_rows is None else chunk_rows
-    with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, explicitly
-        return _LinearCrossEntropy.apply(hidden, weight, targets.long(), chunk_rows, compute_dtype, ignore_index,
-                                         torch.is_grad_enabled())
+    return _apply(hidden, targets, _LinearHead(weight, compute_dtype), chunk_rows, ignore_index)
+
+
+@torch.compiler.disable
+def head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
+                       ignore_index: int = IGNORE_INDEX, chunk_rows: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``head(hidden)`` against ``targets``, chunk by chunk.
+
+    head: any module mapping hidden (N, d) to logits (N, V). A plain ``nn.Linear`` without bias
+    goes through ``linear_cross_entropy``; any other head is called on each chunk (under the
+    caller's autocast), and it and ``hidden`` get the gradients of ``F.cross_entropy(head(hidden)
+    .float(), targets, ignore_index=ignore_index)``, with the (N, V) logits never all stored.
+    chunk_rows: rows per chunk (None: about 64 MiB of float32 logits).
+    """
+    if type(head) is nn.Linear and head.bias is None:  # its weight is all there is to the head
+        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index, chunk_rows=chunk_rows)
+    if hidden.dim() != 2:
+        raise ValueError(f"need hidden (N, d); got {tuple(hidden.shape)}")
+    _check_rows(hidden, targets, chunk_rows)
+    if chunk_rows is None:  # the head's output size: out_features, else its largest matrix's rows
+        vocab_size = getattr(head, "out_features", max((p.size(0) for p in head.parameters() if p.dim() == 2),
+                                                       default=hidden.size(1)))
+        chunk_rows = default_chunk_rows(vocab_size)
+    return _apply(hidden, targets, _ModuleHead(head, hidden.device.type), chunk_rows, ignore_index)

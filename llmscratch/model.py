@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.attention import KVCache, MultiHeadAttention
-from llmscratch.losses import linear_cross_entropy
+from llmscratch.attention import KVCache, MultiHeadAttention, check_heads
+from llmscratch.losses import head_cross_entropy
 from llmscratch.rope import RotaryEmbedding
 
 
@@ -43,36 +43,8 @@ class GPTConfig:
     fused_attention: bool = True  # scaled_dot_product_attention; False: the explicit math
 
     def __post_init__(self):
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        for name in ("rope_theta", "norm_eps", "dropout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name in ("qkv_bias", "bias", "tie_embeddings", "fused_attention"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "position": ("learned", "rope")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
-        if self.hidden_dim < 1:
-            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
+        _check_types(self)  # the checks are at the end of this file: the model comes first
+        _check_values(self)
 
     @property
     def head_dim(self) -> int:
@@ -233,9 +205,27 @@ class GPT(nn.Module):
         attend to the whole caches, masked (shapes that stay fixed for ``torch.compile``).
         With ``targets`` (B, T) of next-token ids (-100: skip), returns instead their mean
         cross-entropy, the same number as ``F.cross_entropy(logits.float().flatten(0, 1),
-        targets.flatten())`` but computed chunk by chunk (``llmscratch.losses``): the (B, T, V)
-        logits, the largest tensor of a training step, are never stored.
+        targets.flatten())`` but computed chunk by chunk through whatever ``lm_head`` is
+        (``llmscratch.losses.head_cross_entropy``): the (B, T, V) logits, the largest tensor of a
+        training step, are never stored.
         """
+        self._check_call(idx, kv_caches, start_pos, input_pos, targets)
+        x = self._embed_tokens(idx)  # (B, T, d)
+        if self.position_embedding is not None:
+            positions = input_pos
+            if positions is None:
+                positions = torch.arange(start_pos, start_pos + idx.size(1), device=idx.device)  # (T,)
+            x = x + self.position_embedding(positions)  # (B, T, d)
+        x = self.dropout(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos, input_pos=input_pos)
+        x = self.final_norm(x)  # (B, T, d)
+        if targets is not None:
+            return head_cross_entropy(x.flatten(0, 1), self.lm_head, targets.flatten())  # ()
+        return self.lm_head(x)  # (B, T, vocab_size)
+
+    def _check_call(self, idx, kv_caches, start_pos, input_pos, targets) -> None:
+        """ValueError naming the argument of ``forward`` that does not fit this model."""
         seq_len = idx.size(1)
         if start_pos + seq_len > self.config.context_length:
             raise ValueError(
@@ -247,26 +237,8 @@ class GPT(nn.Module):
         if input_pos is not None and (kv_caches is None or input_pos.shape != (seq_len,)):
             raise ValueError(f"input_pos needs kv_caches and one position per id ({seq_len}); "
                              f"got shape {tuple(input_pos.shape)}, kv_caches={'none' if kv_caches is None else 'given'}")
-        x = self._embed_tokens(idx)  # (B, T, d)
-        if self.position_embedding is not None:
-            positions = input_pos
-            if positions is None:
-                positions = torch.arange(start_pos, start_pos + seq_len, device=idx.device)  # (T,)
-            x = x + self.position_embedding(positions)  # (B, T, d)
-        x = self.dropout(x)
-        for i, block in enumerate(self.blocks):
-            x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos, input_pos=input_pos)
-        x = self.final_norm(x)  # (B, T, d)
-        if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
-            if type(self.lm_head) is nn.Linear:  # a plain head: its weight is all the loss needs
-                return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())  # ()
-            # A head replaced by another module (e.g. LoRA on lm_head): its logits, then the loss.
-            logits = self.lm_head(x)  # (B, T, V)
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least, as above
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # ()
-        return self.lm_head(x)  # (B, T, vocab_size)
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
 
     def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """The token embeddings of ``idx``; an id outside the vocabulary is a ValueError naming it."""
@@ -293,7 +265,7 @@ class GPT(nn.Module):
 
         With untied embeddings the output head is a real matrix multiply and stays counted.
         """
-        total = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        total = count_parameters(self)
         if not include_embeddings:
             total -= self.token_embedding.weight.numel()
             if self.position_embedding is not None:
@@ -313,3 +285,44 @@ class GPT(nn.Module):
         matmul_weights -= sum(p.numel() for n, p in self.named_parameters() if p.dim() < 2)
         forward = 2 * matmul_weights + 4 * self.config.n_layers * seq_len * self.config.d_model
         return 3 * forward if training else forward
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Parameters of any model, each shared (tied) tensor once; optionally only the trainable ones."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)  # a tied weight once
+
+
+# --------------------------------------------------------------------------- config checks
+def _check_types(config: GPTConfig) -> None:
+    """ValueError naming the first field that is not of its kind: an integer, a finite number, a bool."""
+    for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    for name in ("rope_theta", "norm_eps", "dropout"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    for name in ("qkv_bias", "bias", "tie_embeddings", "fused_attention"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
+
+
+def _check_values(config: GPTConfig) -> None:
+    """ValueError naming a size that cannot make a model, an unknown design choice or a number out of range."""
+    for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)}")
+    choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "position": ("learned", "rope")}
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {allowed}")
+    check_heads(config.d_model, config.n_heads, config.kv_heads, width_name="d_model")
+    if config.position == "rope" and config.head_dim % 2:
+        raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {config.head_dim}")
+    if config.hidden_dim < 1:
+        raise ValueError(f"d_ff must be a positive integer, got {config.d_ff}")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
+    if config.rope_theta <= 0 or config.norm_eps <= 0:
+        raise ValueError(f"rope_theta and norm_eps must be positive, got {config.rope_theta}, {config.norm_eps}")

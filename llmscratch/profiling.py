@@ -1,10 +1,44 @@
-"""Measuring what a step costs in memory, for the benchmarks and the chapters' bench scripts."""
+"""Measuring what a step costs in time and memory, for the benchmarks and the chapters' bench scripts."""
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import torch
+
+from llmscratch.device import resolve_device
+
+
+def time_once(fn: Callable[[], object], device: str | torch.device | None = None) -> float:
+    """Wall-clock seconds of one call of ``fn``; on a CUDA ``device``, its queued work included."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)  # work queued before the call is not the call's
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)  # kernels launched by the call run after it returns
+    return time.perf_counter() - start
+
+
+def round_robin(candidates: dict[str, Callable[[], float]], rounds: int,
+                description: str | None = None) -> dict[str, list[float]]:
+    """Each candidate once per round, ``rounds`` rounds, so that a slow spell of a shared machine hits all alike.
+
+    Each candidate returns what it measured (seconds, or a rate); returns each one's list, a value a round.
+    ``description``: a progress bar over the rounds, with that label.
+    """
+    each_round = range(rounds)
+    if description is not None:
+        from tqdm.auto import tqdm  # imported here: the package imports without it
+
+        each_round = tqdm(each_round, desc=description, leave=False)
+    results = {name: [] for name in candidates}
+    for _ in each_round:
+        for name, measure in candidates.items():
+            results[name].append(measure())
+    return results
 
 
 @contextlib.contextmanager
@@ -29,7 +63,7 @@ def peak_memory_bytes(step: Callable[[], object], device: str | torch.device | N
     """
     from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device() if device is None else torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

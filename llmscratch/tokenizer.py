@@ -2,16 +2,17 @@
 
 Token ids 0-255 are single bytes, every later id is a merge of two earlier tokens, and
 special tokens (such as ``<|endoftext|>``) come last. Training learns the merges from a
-text; ``BPETokenizer.gpt2()`` recovers GPT-2's merges from its published ranks.
+text; ``BPETokenizer.gpt2()`` recovers GPT-2's merges from its published ranks. The merge
+algorithms themselves are in ``llmscratch.bpe``; this module adds the pre-splitting regex,
+tiktoken's rules for special tokens, and the JSON file.
 """
 
 import base64
 import functools
-import heapq
 import json
 import os
 import warnings
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,7 @@ import tiktoken
 
 from llmscratch.assets import GPT2_RANKS_PATH
 from llmscratch.atomic import write_text_atomically
+from llmscratch.bpe import Pair, apply_merges, learn_merges, merges_from_ranks
 
 # GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace.
 # A merge never crosses the boundary between two of these chunks.
@@ -28,15 +30,12 @@ GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}
 ENDOFTEXT = "<|endoftext|>"
 FILE_FORMAT, FILE_VERSION = "llmscratch-bpe", 1
 _CACHE_LIMIT = 1 << 17  # chunk-cache entries kept before the cache is cleared
-_NO_MERGE = 1 << 62  # larger than any token id
-# Chunks up to this many bytes take the simple rescanning merge: it is quadratic, but quicker
-# than the rank-by-rank merge below about 30 bytes, and nearly every chunk of prose is short.
-_SHORT_CHUNK = 32
+_JSON_VALUE = r'(?:"(?:[^"\\]|\\.)*"|[^\s\[\]{},"]+)'  # a JSON string, number, true, false or null
+_FLAT_LIST = regex.compile(rf"\[\n +{_JSON_VALUE}(?:,\n +{_JSON_VALUE})*\n *\]")  # as json.dumps(indent=2) writes it
 # A split pattern must cover this text without a gap, or encoding would drop text silently.
 _PATTERN_PROBE = ("Hello, world! It's 2026: 3.14 ünïcödé 中文 日本語 한국어 😀👩‍👩‍👧 e\u0301 "
                   "a_b-c.d/e\\f (x) [y] 'q' \"q\" \t\n\r\n  \x00\x1b\x7f\u200b\u2028 end ")
 
-Pair = tuple[int, int]
 SpecialSet = Literal["all"] | Collection[str]
 
 
@@ -115,8 +114,8 @@ class BPETokenizer:
     ) -> "BPETokenizer":
         """Learn ``vocab_size - 256 - len(special_tokens)`` merges from ``text``.
 
-        Each step merges the most frequent adjacent pair (ties: the pair of smaller ids).
-        Pair counts are updated only where a merge happens, never recounted.
+        Each step merges the most frequent adjacent pair (ties: the pair of smaller ids) within
+        the chunks the pattern splits the text into (``llmscratch.bpe.learn_merges``).
         """
         special_tokens = check_special_tokens(special_tokens)
         n_merges = vocab_size - 256 - len(special_tokens)
@@ -125,14 +124,9 @@ class BPETokenizer:
                 f"vocab_size={vocab_size} is too small: it must be at least 256 (bytes) + "
                 f"{len(special_tokens)} (special tokens) = {256 + len(special_tokens)}"
             )
-        # Special tokens are never learned from the text: cut them out before counting.
-        pieces = _special_regex(special_tokens).split(text) if special_tokens else [text]
-        splitter = _compile_split_pattern(pattern)
-        chunk_counts: Counter[str] = Counter()
-        for piece in pieces:
-            chunk_counts.update(_split_covering(splitter, piece))
+        chunk_counts = _count_chunks(text, _compile_split_pattern(pattern), special_tokens)
         bar = _progress_bar(n_merges, "BPE merges") if progress else None
-        merges = _learn_merges(chunk_counts, n_merges, bar)
+        merges = learn_merges(chunk_counts, n_merges, None if bar is None else bar.update)
         if bar is not None:
             bar.close()
         if len(merges) < n_merges:
@@ -156,36 +150,15 @@ class BPETokenizer:
 
     @classmethod
     def from_ranks(cls, ranks: dict[bytes, int], **kwargs) -> "BPETokenizer":
-        """Recover the merges behind a tiktoken-style ranks table (token bytes -> rank).
-
-        Token ``r`` is the merge of the two tokens that BPE, using only the merges of
-        rank below ``r``, makes of its bytes.
-        """
-        by_rank = sorted(ranks.items(), key=lambda item: item[1])
-        if [rank for _, rank in by_rank] != list(range(len(by_rank))):
-            raise ValueError("ranks must be the integers 0..n-1, each used once")
-        if any(len(token) != 1 for token, _ in by_rank[:256]):
-            raise ValueError("ranks 0-255 must be the 256 single bytes")
-        byte_order = [token[0] for token, _ in by_rank[:256]]
-        partial = cls([], byte_order=byte_order)  # grows one merge at a time
-        merges = []
-        for token, rank in by_rank[256:]:
-            parts = partial._merge_chunk(token)
-            if len(parts) != 2:
-                raise ValueError(f"token {token!r} (rank {rank}) is not a merge of two earlier tokens")
-            merges.append((parts[0], parts[1]))
-            partial.merges[parts[0], parts[1]] = rank
-            partial.vocab[rank] = token
+        """The tokenizer behind a tiktoken-style ranks table (token bytes -> rank), its merges
+        recovered by ``llmscratch.bpe.merges_from_ranks``; kwargs as for the constructor."""
+        byte_order, merges = merges_from_ranks(ranks)
         return cls(merges, byte_order=byte_order, **kwargs)
 
     # ------------------------------------------------------------------ encoding
     def _merge_chunk(self, chunk: bytes) -> list[int]:
-        """BPE on one pre-split chunk: apply the earliest-learned merge until none applies."""
-        ids = [self._byte_to_id[b] for b in chunk]
-        # A merge's new id is its rank: smaller means learned earlier.
-        if len(ids) <= _SHORT_CHUNK:
-            return _merge_by_scanning(ids, self.merges)
-        return _merge_rank_by_rank(ids, self.merges)
+        """BPE on one pre-split chunk: its bytes' ids, merged as learned."""
+        return apply_merges([self._byte_to_id[b] for b in chunk], self.merges)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode text, treating special-token strings as ordinary text."""
@@ -255,16 +228,13 @@ class BPETokenizer:
     # ------------------------------------------------------------------ files
     def to_json(self) -> str:
         """The tokenizer as versioned JSON text, one merge per line with the token it makes."""
-        byte_order = None if self.byte_order == list(range(256)) else self.byte_order
-        header = {"format": FILE_FORMAT, "version": FILE_VERSION, "name": self.name,
-                  "pattern": self.pattern, "special_tokens": self.special_tokens,
-                  "byte_order": byte_order}
-        lines = [f"  {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}," for key, value in header.items()]
-        merge_lines = [
-            f"    {json.dumps([left, right, _readable(self.vocab[new_id])], ensure_ascii=False)}"
-            for (left, right), new_id in self.merges.items()
-        ]
-        return "{\n" + "\n".join(lines) + '\n  "merges": [\n' + ",\n".join(merge_lines) + "\n  ]\n}\n"
+        document = {
+            "format": FILE_FORMAT, "version": FILE_VERSION, "name": self.name, "pattern": self.pattern,
+            "special_tokens": self.special_tokens,
+            "byte_order": None if self.byte_order == list(range(256)) else self.byte_order,
+            "merges": [[left, right, _readable(self.vocab[new_id])] for (left, right), new_id in self.merges.items()],
+        }
+        return _one_line_lists(json.dumps(document, ensure_ascii=False, indent=2)) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str = "the tokenizer JSON") -> "BPETokenizer":
@@ -324,8 +294,8 @@ def gpt2_encoding() -> tiktoken.Encoding:
 @functools.cache
 def _gpt2_merges() -> tuple[tuple[int, ...], tuple[Pair, ...]]:
     """GPT-2's byte order and merges, recovered once per process (about a second)."""
-    tokenizer = BPETokenizer.from_ranks(load_gpt2_ranks())
-    return tuple(tokenizer.byte_order), tuple(tokenizer.merges)
+    byte_order, merges = merges_from_ranks(load_gpt2_ranks())
+    return tuple(byte_order), tuple(merges)
 
 
 def check_special_tokens(tokens: Collection[str]) -> list[str]:
@@ -372,151 +342,6 @@ def _split_covering(splitter: regex.Pattern, text: str, text_name: str = "the te
     return chunks
 
 
-def _merge_by_scanning(ids: list[int], merges: dict[Pair, int]) -> list[int]:
-    """BPE by rescanning: each step merges the lowest-ranked pair, the leftmost among equals.
-
-    Quadratic in ``len(ids)``, and the quickest on the few-byte chunks of ordinary text.
-    """
-    rank = merges.get
-    ranks = [rank(pair, _NO_MERGE) for pair in zip(ids, ids[1:])]  # ranks[i]: ids[i], ids[i+1]
-    while ranks:
-        new_id = min(ranks)
-        if new_id == _NO_MERGE:
-            break
-        i = ranks.index(new_id)  # leftmost occurrence first, as GPT-2 does
-        ids[i : i + 2] = [new_id]
-        del ranks[i]
-        if i > 0:  # the pair to the left now ends in the new token
-            ranks[i - 1] = rank((ids[i - 1], new_id), _NO_MERGE)
-        if i < len(ranks):  # and the pair to the right starts with it
-            ranks[i] = rank((new_id, ids[i + 1]), _NO_MERGE)
-    return ids
-
-
-def _merge_rank_by_rank(ids: list[int], merges: dict[Pair, int]) -> list[int]:
-    """The same tokens as ``_merge_by_scanning`` in O(n log n): take the ranks in increasing
-    order and merge each rank's pairs from left to right.
-
-    A merge only creates pairs of a higher rank than its own, so when a rank comes up all its
-    pairs are already noted, and taking them left to right is the leftmost-first rule.
-    """
-    rank = merges.get
-    n = len(ids)
-    # A linked list of the parts: a part merged into its left neighbour gets the id -1.
-    after = list(range(1, n + 1))  # after[i]: the next live part (n: none)
-    before = list(range(-1, n - 1))  # before[i]: the previous live part (-1: none)
-    noted: dict[int, list[int]] = {}  # rank -> left parts of its pairs (some stale)
-    for i, pair in enumerate(zip(ids, ids[1:])):
-        if (r := rank(pair)) is not None:
-            noted.setdefault(r, []).append(i)
-    pending = list(noted)  # a min-heap of the ranks with noted pairs
-    heapq.heapify(pending)
-    while pending:
-        r = heapq.heappop(pending)
-        for i in sorted(noted.pop(r)):
-            j = after[i]
-            if j == n or rank((ids[i], ids[j])) != r:
-                continue  # stale: a part of this pair went into an earlier merge
-            ids[i], ids[j] = r, -1
-            k = after[i] = after[j]
-            new_pairs = []
-            if k < n:
-                before[k] = i
-                new_pairs.append(((r, ids[k]), i))
-            if (h := before[i]) >= 0:
-                new_pairs.append(((ids[h], r), h))
-            for pair, left in new_pairs:
-                if (s := rank(pair)) is not None:
-                    if s not in noted:
-                        noted[s] = []
-                        heapq.heappush(pending, s)
-                    noted[s].append(left)
-    return [token for token in ids if token >= 0]
-
-
-def _learn_merges(chunk_counts: Counter[str], n_merges: int, bar=None) -> list[Pair]:
-    """Merge the most frequent pair (ties: smaller ids first) until ``n_merges`` or no pair is left.
-
-    The distinct chunks lie end to end in one linked list of symbols (no link crosses from a
-    chunk to the next), each symbol weighted by its chunk's count; ``where[pair]`` holds the
-    positions where ``pair`` starts (some stale), so a merge touches only those.
-    """
-    symbols, weight, after, before = [], [], [], []
-    for chunk, count in chunk_counts.items():
-        data = chunk.encode("utf-8")
-        start, end = len(symbols), len(symbols) + len(data)
-        symbols.extend(data)
-        weight.extend([count] * len(data))
-        after.extend(range(start + 1, end + 1))
-        before.extend(range(start - 1, end - 1))
-        if data:
-            after[-1], before[start] = -1, -1
-    counts: Counter[Pair] = Counter()  # pair -> occurrences weighted by chunk count
-    where: defaultdict[Pair, list[int]] = defaultdict(list)
-    for i, j in enumerate(after):
-        if j >= 0:
-            pair = symbols[i], symbols[j]
-            counts[pair] += weight[i]
-            where[pair].append(i)
-    # A max-heap by (count, smaller ids first). Entries go stale as counts drop; a
-    # stale entry is re-pushed with its current count when it reaches the top.
-    heap = [(-count, pair) for pair, count in counts.items()]
-    heapq.heapify(heap)
-    merges: list[Pair] = []
-    while len(merges) < n_merges and heap:
-        neg_count, pair = heapq.heappop(heap)
-        current = counts.get(pair, 0)
-        if current != -neg_count:
-            if current > 0:
-                heapq.heappush(heap, (-current, pair))
-            continue
-        new_id = 256 + len(merges)
-        merges.append(pair)
-        for new_pair in _merge_pair(pair, new_id, where.pop(pair), symbols, weight, after, before,
-                                    counts, where):
-            if new_pair in counts:  # some made pairs are gone again, e.g. (new, a) in "aaaa"
-                heapq.heappush(heap, (-counts[new_pair], new_pair))
-        if bar is not None:
-            bar.update(1)
-    return merges
-
-
-def _merge_pair(pair: Pair, new_id: int, positions: list[int], symbols: list[int], weight: list[int],
-                after: list[int], before: list[int], counts: Counter, where: dict) -> set[Pair]:
-    """Merge ``pair`` where it starts at ``positions``, left to right as a scan would (``aaa``
-    makes ``(aa)a``), updating pair counts and positions; return the pairs made."""
-    left, right = pair
-    made = set()
-    for i in sorted(positions):
-        j = after[i]
-        if symbols[i] != left or j < 0 or symbols[j] != right:
-            continue  # stale: a part of this pair went into an earlier merge
-        w, h, k = weight[i], before[i], after[j]
-        _count(counts, pair, -w)
-        if h >= 0:  # the pair to the left now ends in the new symbol
-            _count(counts, (symbols[h], left), -w)
-            made.add(new := (symbols[h], new_id))
-            _count(counts, new, w)
-            where[new].append(h)
-        if k >= 0:  # and the pair to the right starts with it
-            _count(counts, (right, symbols[k]), -w)
-            made.add(new := (new_id, symbols[k]))
-            _count(counts, new, w)
-            where[new].append(i)
-            before[k] = i
-        symbols[i], symbols[j], after[i] = new_id, -1, k
-    return made
-
-
-def _count(counts: Counter, pair: Pair, change: int) -> None:
-    """Add ``change`` to a pair's count, dropping pairs that reach zero (the heap skips them)."""
-    count = counts[pair] + change
-    if count:
-        counts[pair] = count
-    else:
-        del counts[pair]
-
-
 @functools.lru_cache(maxsize=64)
 def _special_regex_cached(tokens: frozenset[str], capture: bool) -> regex.Pattern:
     # Longest first, so a special token that contains another one wins.
@@ -528,6 +353,16 @@ def _special_regex(tokens: Iterable[str], capture: bool = False) -> regex.Patter
     return _special_regex_cached(frozenset(tokens), capture)
 
 
+def _count_chunks(text: str, splitter: regex.Pattern, special_tokens: list[str]) -> dict[bytes, int]:
+    """Each distinct pre-split chunk of ``text`` as UTF-8 bytes, with how often it occurs."""
+    # Special tokens are never learned from the text: cut them out before splitting.
+    pieces = _special_regex(special_tokens).split(text) if special_tokens else [text]
+    counts: Counter[str] = Counter()
+    for piece in pieces:
+        counts.update(_split_covering(splitter, piece))
+    return {chunk.encode("utf-8"): count for chunk, count in counts.items()}
+
+
 def _replace_lone_surrogates(text: str) -> str:
     """Lone surrogates cannot be UTF-8 encoded; like tiktoken, turn them into U+FFFD."""
     try:
@@ -535,6 +370,16 @@ def _replace_lone_surrogates(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _one_line_lists(text: str) -> str:
+    """JSON text from json.dumps(indent=...) with each list of plain values on one line.
+
+    Only whitespace between JSON tokens changes: json never writes a newline inside a string,
+    so ",\\n" separates the items of such a list and nothing else.
+    """
+    return _FLAT_LIST.sub(lambda m: "[" + ", ".join(item.strip() for item in m.group()[1:-1].split(",\n")) + "]",
+                          text)
 
 
 def _readable(token: bytes) -> str:

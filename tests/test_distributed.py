@@ -44,7 +44,7 @@ def train_and_resume(info: DistInfo, out_dir: str) -> dict:
     second = make_trainer(out_dir, dist_info=info, max_steps=STEPS, **SETTINGS)
     second.fit(resume=True, progress=False)
     return {"losses": losses(first) + losses(second), "val": second.evaluate(400),
-            "state": second.raw_model.state_dict(), "peak_flops_all": second.peak_flops_all,
+            "state": second.model.state_dict(), "peak_flops_all": second.peak_flops_all,
             "tokens_per_step": second.tokens_per_step}
 
 
@@ -67,7 +67,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     single = make_trainer(tmp_path / "single", max_steps=STEPS, **{**SETTINGS, "batch_size": 4})
     single.batches = JointBatches(tokens()[0])
     single_losses = [single.train_step()[0] for _ in range(STEPS)]
-    reference = single.raw_model.state_dict()
+    reference = single.model.state_dict()
 
     for result in ranks:  # both processes hold the weights of the single process, up to float32 rounding
         assert_adamw_runs_agree(result["state"], reference, lr=SETTINGS["lr"], steps=STEPS)

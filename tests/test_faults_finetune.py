@@ -21,8 +21,6 @@ from safetensors.torch import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from llmscratch.checkpoint import export_model, save_checkpoint  # noqa: E402
-from llmscratch.classify import spam_splits  # noqa: E402
-from llmscratch.instruct import collate  # noqa: E402
 from llmscratch.lora import LoRAConfig, apply_lora, load_adapters, lora_layers, save_adapters  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
@@ -182,18 +180,22 @@ def load_into_existing_adapters(make):
     return action
 
 
+def truncated_weights() -> dict:
+    """A truncated model.safetensors, of a Hugging Face folder or of a run folder's export, given to generate.py
+    and to a finetuning script's --base."""
+    cases = {}
+    for what, make, folder, finetuning in (("HF weights", truncated_hf, "hf", "classifier"),
+                                           ("export in a run folder", truncated_export, "run", "instructions")):
+        message = folder + r"[/\\]model\.safetensors is not a readable safetensors file \(truncated"
+        cases[f"truncated {what} to generate.py"] = (script("generate", "{input}", make=make), 1, message)
+        cases[f"truncated {what} to --base"] = (script(finetuning, "--base", "{input}", make=make), 1,
+                                                 "^error: .*" + message)
+    return cases
+
+
 CASES = {
     # ---- weight files: a truncated or incomplete file is named, in every script that loads one
-    "truncated HF weights to generate.py": (
-        script("generate", "{input}", make=truncated_hf), 1, r"hf[/\\]model\.safetensors is not a readable safetensors file \(truncated"),
-    "truncated HF weights to --base": (
-        script("classifier", "--base", "{input}", make=truncated_hf), 1,
-        r"^error: .*hf[/\\]model\.safetensors is not a readable safetensors file \(truncated"),
-    "truncated export in a run folder to --base": (
-        script("instructions", "--base", "{input}", make=truncated_export), 1,
-        r"^error: .*run[/\\]model\.safetensors is not a readable safetensors file \(truncated"),
-    "truncated export in a run folder to generate.py": (
-        script("generate", "{input}", make=truncated_export), 1, r"run[/\\]model\.safetensors is not a readable safetensors file \(truncated"),
+    **truncated_weights(),
     "truncated checkpoint.pt to --base": (
         script("classifier", "--base", "{input}", make=truncated_checkpoint), 1,
         r"checkpoint\.pt is not a readable llmscratch checkpoint"),
@@ -211,6 +213,13 @@ CASES = {
     "--device cuda:7 (instructions)": (
         script("instructions", "--base", "{base}", "--device", "cuda:7"), 2,
         r"--device: device 'cuda:7' (was asked for, but this torch sees no CUDA GPU|: this machine has)"),
+    # ---- config flags: refused as the config refuses them, named by the flag, before anything loads
+    "--epochs 0 (classifier)": (script("classifier", "--base", "{base}", "--epochs", "0"), 2,
+                                r"--epochs must be a positive integer, got 0"),
+    "--lr nan (instructions)": (script("instructions", "--base", "{base}", "--lr", "nan"), 2,
+                                r"argument --lr: 'nan' is not a finite number"),
+    "--lora-rank 0 (classifier)": (script("classifier", "--base", "{base}", "--lora", "--lora-rank", "0"), 2,
+                                   r"LoRA rank must be a positive integer, got 0"),
     # ---- data
     "SMS TSV line without a tab": (
         script("classifier", "--base", "{base}", "--data", "{input}", make=tsv(["ham\thello", "spam free prize"])),

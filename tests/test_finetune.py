@@ -18,11 +18,13 @@ from llmscratch.classify import (  # noqa: E402
 from llmscratch.finetune import FinetuneConfig, fit, load_base, set_trainable  # noqa: E402
 from llmscratch.instruct import (  # noqa: E402
     HEADER, IGNORE_INDEX, Response, collate, comparison_table, encode_records, evaluate_responses, format_prompt,
-    parse_response, respond, response_loss, validate_records,
+    lm_loss, parse_response, respond, response_loss, validate_records,
 )
-from llmscratch.lora import LoRAConfig, count_parameters  # noqa: E402
+from llmscratch.lora import LoRAConfig, apply_lora, lora_layers  # noqa: E402
+from llmscratch.model import count_parameters  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
+from llmscratch.train import TrainingDiverged  # noqa: E402
 from llmscratch.weights import save_hf  # noqa: E402
 from model_fixtures import successor_model  # noqa: E402
 
@@ -149,6 +151,16 @@ def test_training_the_head_learns_a_separable_task():
                   evaluate=lambda: evaluate_classifier(model, make_batches(examples, 16, 0, 32)))
     assert [r["epoch"] for r in history] == [0, 1, 2, 3, 4]
     assert history[-1]["val_accuracy"] == 1.0 and history[-1]["val_loss"] < history[0]["val_loss"]
+
+
+def test_a_nan_loss_stops_finetuning_as_it_stops_pretraining():
+    model = GPTClassifier(tiny("gpt2"), n_classes=2)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    batches = lambda epoch: make_batches([([1, 2, 3], 0), ([4, 5], 1)], 2, 0, 32)  # noqa: E731
+    nan_loss = lambda model, batch: classification_loss(model, batch) * float("nan")  # noqa: E731
+    with pytest.raises(TrainingDiverged, match=r"^step 1: loss nan, gradient norm nan; try a lower learning rate"):
+        fit(model, batches, nan_loss, FinetuneConfig(epochs=1), torch.device("cpu"), progress=False)
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())  # no update was made
 
 
 # =========================================================================== metrics
@@ -314,6 +326,19 @@ def test_encode_records_refuses_records_that_do_not_fit_whole():
     with pytest.raises(ValueError, match=rf"1 record\(s\) do not fit the model's context_length={prompt_1 + 1} .*"
                                          rf"record 1 \('Say ab, please\.'\): prompt {prompt_1} \+ output 2 \+ 1"):
         encode_records(records, tokenizer, context_length=prompt_1 + 1)  # its end-of-text would be cut
+
+
+@pytest.mark.parametrize("lora_head", [False, True])
+def test_lm_loss_is_the_masked_cross_entropy_of_the_logits(lora_head):
+    """The model's own loss path (chunked for a plain head, through the logits for a LoRA one) is the textbook loss."""
+    model = tiny("llama").eval()
+    if lora_head:
+        apply_lora(model, LoRAConfig(rank=2, targets=("lm_head",)))
+        torch.nn.init.normal_(lora_layers(model)["lm_head"].lora_b, std=0.5)  # as if trained: B is no longer 0
+    inputs, targets = collate([([5, 6, 7], [8, 9]), ([5, 11], [3, 4, 2])], eos_id=0, mask_prompt=True)
+    with torch.no_grad():
+        by_hand = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        assert lm_loss(model, (inputs, targets)).item() == pytest.approx(by_hand.item(), rel=1e-6)
 
 
 def test_response_loss_is_the_loss_on_outputs_only():

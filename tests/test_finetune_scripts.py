@@ -47,7 +47,7 @@ def checkpoint(tmp_path_factory) -> Path:
                         sample_interval=2, sample_tokens=4, log_interval=1)
     trainer = Trainer(GPT(config), train, tokens[:-600], tokens[-600:], folder, tokenizer)
     trainer.fit(progress=False)
-    export_model(trainer.raw_model, folder / "model.safetensors", tokenizer)  # as ch04's pretrain.py does
+    export_model(trainer.model, folder / "model.safetensors", tokenizer)  # as ch04's pretrain.py does
     return folder / "checkpoint.pt"
 
 

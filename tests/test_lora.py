@@ -5,11 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.lora import (
-    LoRAConfig, LoRALinear, apply_lora, count_parameters, load_adapters, lora_layers, merge_lora,
-    save_adapters,
-)
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.lora import LoRAConfig, LoRALinear, apply_lora, load_adapters, lora_layers, merge_lora, save_adapters
+from llmscratch.model import GPT, GPTConfig, count_parameters
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=24, d_model=32, n_layers=2, n_heads=4),
@@ -149,6 +146,32 @@ def test_the_models_own_loss_path_sees_the_adapters(targets):
     idx = tokens(model)
     expected = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
     torch.testing.assert_close(model(idx[:, :-1], targets=idx[:, 1:]), expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lora_head_gets_the_loss_and_gradients_of_its_full_logits(kind):
+    """LoRA on lm_head takes the chunked loss path too: the loss and every gradient of F.cross_entropy on its logits."""
+    model = make(kind).double()
+    apply_lora(model, LoRAConfig(rank=2, targets=("lm_head", "*.attn.qkv")))
+    train_a_little(model)  # B moves away from zero, so the head's adapter changes the logits
+    assert isinstance(model.lm_head, LoRALinear)
+    idx = tokens(model)
+    targets = idx[:, 1:].clone()
+    targets[0, :5] = -100  # skipped, as prompt tokens are in finetuning
+
+    def loss_and_grads(loss_of_model):
+        model.zero_grad()
+        loss = loss_of_model()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    expected_loss, expected = loss_and_grads(lambda: F.cross_entropy(model(idx[:, :-1]).flatten(0, 1),
+                                                                     targets.flatten()))
+    loss, grads = loss_and_grads(lambda: model(idx[:, :-1], targets=targets))
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
+    assert grads.keys() == expected.keys() and "lm_head.lora_b" in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,10 +1,11 @@
-"""The chunked linear cross-entropy against F.cross_entropy on the full logits (float64 where exact)."""
+"""The chunked cross-entropy, of a weight or of any head module, against F.cross_entropy on the full logits."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from llmscratch.losses import linear_cross_entropy
+from llmscratch.losses import head_cross_entropy, linear_cross_entropy
 from llmscratch.model import GPT, GPTConfig
 
 
@@ -128,3 +129,58 @@ def test_model_loss_with_targets_matches_the_logits_path(kind):
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
     with pytest.raises(ValueError, match="targets must have the shape"):
         model(idx, targets=targets[:, :-1])
+
+
+def two_layer_head(seed=0):
+    """A head that is not a plain Linear: biased, two layers, a nonlinearity between."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 53)).double()
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_any_head_module_matches_cross_entropy_of_its_logits(chunk_rows):
+    head = two_layer_head()
+    hidden, _, targets = problem(ignored=(0, 5, 29))
+
+    def loss_and_grads(fn):
+        hidden.grad = None
+        head.zero_grad()
+        loss = fn()
+        loss.backward()
+        return [loss.detach(), hidden.grad.clone(), *(p.grad.clone() for p in head.parameters())]
+
+    expected = loss_and_grads(lambda: F.cross_entropy(head(hidden), targets))
+    got = loss_and_grads(lambda: head_cross_entropy(hidden, head, targets, chunk_rows=chunk_rows))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    assert hidden.grad[[0, 5, 29]].abs().max() == 0  # an ignored row sends nothing back
+    head[0].requires_grad_(False)  # a frozen part of the head gets no gradient
+    head.zero_grad()
+    head_cross_entropy(hidden, head, targets, chunk_rows=chunk_rows).backward()
+    assert head[0].weight.grad is None and head[2].weight.grad is not None
+    with torch.no_grad():
+        assert not head_cross_entropy(hidden, head, targets).requires_grad
+
+
+def test_a_plain_linear_head_takes_the_linear_path():
+    hidden, weight, targets = problem(seed=4)
+    head = nn.Linear(16, 53, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    assert torch.equal(head_cross_entropy(hidden, head, targets, chunk_rows=7),
+                       linear_cross_entropy(hidden, weight, targets, chunk_rows=7))
+
+
+def test_a_head_module_under_bfloat16_autocast_is_close_to_autocast_reference():
+    head = two_layer_head(seed=5).float()
+    hidden, _, targets = problem(n_rows=64, seed=5)
+    h32 = hidden.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = head_cross_entropy(h32, head, targets, chunk_rows=16)
+        expected = F.cross_entropy(head(h32).float(), targets)
+    (got_grad,) = torch.autograd.grad(got, h32)
+    (expected_grad,) = torch.autograd.grad(expected, h32)
+    assert got_grad.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)  # the same bf16 products
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-8)
+    assert got != F.cross_entropy(head(h32), targets)  # and they were bf16: the head ran under autocast

@@ -101,7 +101,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_fil
     (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file or folder"),
     (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
     (["--batch-size", "-2"], "--batch-size must be a positive integer, got -2"),
-    (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
+    (["--lr", "-1"], "--lr must be positive, got -1.0"),
     (["--lr", "0"], "--lr must be positive, got 0.0"),
     (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1, got 1.5"),
     (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
@@ -112,7 +112,10 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_fil
     (["--tokenizer", "bpe:10"], "--tokenizer bpe:10: expected bpe:N with N >= 257"),
     (["--tokenizer", "missing.json"], "--tokenizer missing.json: not bpe:N, gpt2, or an existing tokenizer JSON"),
     (["--context-length", "1"], "--context-length must be at least 2, got 1"),
-    (["--time-budget", "0"], "--time-budget and --peak-tflops must be positive"),
+    (["--time-budget", "0"], "--time-budget must be positive, got 0.0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
+    (["--min-lr", "0.1"], "--min-lr must be at most lr=0.002, got 0.1"),
+    (["--final-eval-tokens", "0"], "--final-eval-tokens must be a positive integer, got 0"),
 ])
 def test_bad_flags_stop_before_training_with_a_clear_message(tmp_path, text_file, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,8 +1,10 @@
-"""llmscratch.profiling: the CPU peak-memory replay against allocations of known size."""
+"""llmscratch.profiling: the CPU peak-memory replay against allocations of known size, and the timers."""
+
+import time
 
 import torch
 
-from llmscratch.profiling import peak_memory_bytes
+from llmscratch.profiling import peak_memory_bytes, round_robin, time_once
 
 
 def test_peak_memory_counts_what_a_step_holds_at_once():
@@ -22,3 +24,14 @@ def test_memory_held_before_the_step_is_not_counted():
     peak = peak_memory_bytes(lambda: torch.ones(1024, 1024).sum(), "cpu")
     assert 4 * 2**20 <= peak < 5 * 2**20
     assert held.numel() == 2**21
+
+
+def test_round_robin_runs_each_candidate_once_a_round_in_order():
+    calls = []
+    measured = round_robin({"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 2.0}, 3)
+    assert calls == ["a", "b"] * 3  # interleaved: a slow spell hits both alike
+    assert measured == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+def test_time_once_measures_the_call():
+    assert 0.02 <= time_once(lambda: time.sleep(0.02)) < 5

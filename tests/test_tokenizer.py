@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from llmscratch.assets import GPT2_RANKS_PATH, MOBY_DICK_PATH, SMS_SPAM_PATH, read_moby_dick
-from llmscratch.tokenizer import (GPT2_SPLIT_PATTERN, BPETokenizer, _merge_by_scanning, _merge_rank_by_rank,
-                                  gpt2_encoding)
+from llmscratch.bpe import merge_by_scanning, merge_rank_by_rank
+from llmscratch.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer, gpt2_encoding
 
 ADVERSARIAL = [
     "",
@@ -234,6 +234,45 @@ def test_save_load_round_trip(tmp_path, trained, gpt2):
     assert trained.vocab[first[0]] + trained.vocab[first[1]] == first[2].encode("utf-8")
 
 
+# Written by the writer of issue 12 (each header field on one line, built string by string):
+# files saved then must keep loading, to the same tokenizer.
+EARLIER_FILE = r"""{
+  "format": "llmscratch-bpe",
+  "version": 1,
+  "name": "old",
+  "pattern": "'(?:[sdmt]|ll|ve|re)| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+  "special_tokens": {"<|endoftext|>": 268},
+  "byte_order": null,
+  "merges": [
+    [97, 116, "at"],
+    [104, 101, "he"],
+    [116, 257, "the"],
+    [32, 258, " the"],
+    [32, 99, " c"],
+    [152, 128, "\\x98\\x80"],
+    [159, 261, "\\x9f\\x98\\x80"],
+    [240, 262, "😀"],
+    [260, 256, " cat"],
+    [32, 109, " m"],
+    [32, 111, " o"],
+    [32, 114, " r"]
+  ]
+}
+"""
+
+
+def test_a_file_saved_by_the_earlier_writer_loads_and_saves_back_the_same(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(EARLIER_FILE, encoding="utf-8")
+    tok = BPETokenizer.load(path)
+    assert tok.name == "old" and tok.special_tokens == {"<|endoftext|>": 268} and tok.vocab_size == 269
+    assert tok.encode("the cat ate ünïcödé 😀<|endoftext|>", allowed_special="all") == [
+        258, 264, 32, 256, 101, 32, 195, 188, 110, 195, 175, 99, 195, 182, 100, 195, 169, 32, 263, 268]
+    assert tok.decode_bytes([263]) == "😀".encode("utf-8")
+    assert json.loads(tok.to_json()) == json.loads(EARLIER_FILE)  # the same document, written anew
+    assert "    [32, 258, \" the\"],\n" in tok.to_json()  # still one merge per line
+
+
 def corrupt(path, transform):
     path.write_text(transform(path.read_text(encoding="utf-8")), encoding="utf-8")
 
@@ -306,7 +345,7 @@ def test_bpe_on_one_chunk_of_arbitrary_bytes_matches_tiktoken(gpt2, trained, ref
     assert gpt2.decode_bytes(ids) == data
     for tok in (gpt2, trained):  # the quadratic scan and the rank-by-rank merge agree at every length
         byte_ids = [tok._byte_to_id[b] for b in data]
-        assert _merge_rank_by_rank(list(byte_ids), tok.merges) == _merge_by_scanning(list(byte_ids), tok.merges)
+        assert merge_rank_by_rank(list(byte_ids), tok.merges) == merge_by_scanning(list(byte_ids), tok.merges)
 
 
 @settings(max_examples=40, deadline=None)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint
-from llmscratch.evaluation import bits_per_byte, evaluate, token_byte_lengths
+from llmscratch.evaluation import bits_per_byte, evaluate, evaluating, token_byte_lengths
 from llmscratch.flops import cpu_peak_flops, gpu_peak_flops
-from llmscratch.train import (TrainConfig, TrainingDiverged, choose_dtype, configure_optimizer,
-                              learning_rate)
+from llmscratch.device import choose_dtype
+from llmscratch.train import TrainConfig, TrainingDiverged, configure_optimizer, learning_rate
 from tiny_training import losses, make_trainer, model_config, tokenizer, tokens
 from tolerances import assert_adamw_runs_agree
 
@@ -67,7 +67,7 @@ def test_resume_gives_the_same_losses_bitwise(tmp_path, dropout):
     # same order, so a resume that restores everything (weights, AdamW moments, data stream, random state)
     # repeats every bit. Any difference at all means some state was not restored.
     assert losses(resumed) == losses(reference)[4:]  # exact float equality
-    for a, b in zip(reference.raw_model.parameters(), resumed.raw_model.parameters()):
+    for a, b in zip(reference.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
     logged = [json.loads(line)["loss"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert logged == losses(reference)  # the log holds each step once, steps 1..4 from before the stop
@@ -90,22 +90,22 @@ def test_nan_guard_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     def poison(module, inputs, output):
         return output * float("nan") if trainer.step == 4 else output  # during step 5
 
-    trainer.raw_model.final_norm.register_forward_hook(poison)
+    trainer.model.final_norm.register_forward_hook(poison)
     with pytest.raises(TrainingDiverged, match=r"^step 5: loss nan"):
         trainer.fit(progress=False)
     state = load_checkpoint(tmp_path / "checkpoint.pt")
     assert state["step"] == 4
     saved = model_from_checkpoint(tmp_path / "checkpoint.pt")
-    for a, b in zip(saved.parameters(), trainer.raw_model.parameters()):
+    for a, b in zip(saved.parameters(), trainer.model.parameters()):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)  # the bad step changed nothing: no optimizer step was taken
 
 
 def test_float16_overflowing_gradients_are_skipped_not_fatal(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=3, dtype="float16")
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows the first backward
+    trainer.optimizer_step.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows the first backward
     trainer.fit(progress=False)
-    assert trainer.scaler.get_scale() < 2.0**40  # the scaler saw inf gradients, skipped, backed off
+    assert trainer.optimizer_step.scaler.get_scale() < 2.0**40  # the scaler saw inf gradients, skipped, backed off
     assert all(math.isfinite(x) for x in losses(trainer))
 
 
@@ -122,14 +122,14 @@ def test_compiled_matches_eager(tmp_path):
     # 5.7 nats may move by a few float32 ulps per operation through the network; 1e-4 is ~20 ulps of it.
     assert compiled_losses == pytest.approx(eager_losses, abs=1e-4)
     # The weights: float32 rounding, amplified by AdamW where gradients are near zero (tests/tolerances.py).
-    assert_adamw_runs_agree(compiled.raw_model.state_dict(), eager.raw_model.state_dict(),
+    assert_adamw_runs_agree(compiled.model.state_dict(), eager.model.state_dict(),
                             lr=compiled.config.lr, steps=3)
-    assert compiled.model is not compiled.raw_model  # it did go through torch.compile
+    assert compiled.compiled is not compiled.model  # it did go through torch.compile
     # The checkpoint of the compiled run has plain parameter names and loads into a plain model.
     compiled.save()
     assert not any("_orig_mod" in key for key in load_checkpoint(tmp_path / "compiled" / "checkpoint.pt")["model"])
     assert torch.equal(model_from_checkpoint(tmp_path / "compiled" / "checkpoint.pt").lm_head.weight,
-                       compiled.raw_model.lm_head.weight)
+                       compiled.model.lm_head.weight)
 
 
 def test_bfloat16_autocast_stays_close_to_float32(tmp_path):
@@ -142,7 +142,7 @@ def test_bfloat16_autocast_stays_close_to_float32(tmp_path):
     # went wrong (unscaled, or in the wrong precision for the weights) drifts by far more within 5 steps.
     assert losses(bf16) == pytest.approx(losses(fp32), rel=1e-2)
     assert losses(bf16) != losses(fp32)  # it did run in another precision
-    assert all(p.dtype == torch.float32 for p in bf16.raw_model.parameters())  # master weights stay fp32
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())  # master weights stay fp32
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
@@ -165,7 +165,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # Two halves summed against one sum of all 8 windows: float32 rounding of the same terms (~1e-6 of a loss
     # of about 5.7), and weights that agree as tests/tolerances.py explains.
     assert accumulated_losses == pytest.approx(big_losses, abs=1e-5)
-    assert_adamw_runs_agree(accumulated.raw_model.state_dict(), big.raw_model.state_dict(), lr=big.config.lr, steps=3)
+    assert_adamw_runs_agree(accumulated.model.state_dict(), big.model.state_dict(), lr=big.config.lr, steps=3)
 
 
 def test_time_budget_stops_early_with_a_final_evaluation_and_checkpoint(tmp_path):
@@ -218,8 +218,20 @@ def test_bits_per_byte_against_a_hand_count(batch_size):
     assert bits_per_byte(metrics["loss"], text_bytes / 96) == pytest.approx(metrics["bits_per_byte"])
 
 
+def test_evaluating_restores_the_mode_even_after_an_error():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    with pytest.raises(Interrupt), evaluating(model):
+        assert not model.training and not model[1].training
+        raise Interrupt
+    assert model.training and model[1].training  # back in train mode, every submodule
+    model.eval()
+    with evaluating(model):
+        pass
+    assert not model.training  # a model in eval mode stays there
+
+
 def test_config_validation_names_the_bad_value():
-    for bad, match in [({"max_steps": 0}, "max_steps"), ({"lr": -1.0}, "lr=-1.0"),
+    for bad, match in [({"max_steps": 0}, "max_steps"), ({"lr": -1.0}, "lr must be positive, got -1.0"),
                        ({"dtype": "float8"}, "float8"), ({"grad_clip": float("nan")}, "grad_clip"),
                        ({"beta2": 1.0}, "betas"), ({"max_time": 0}, "max_time")]:
         with pytest.raises(ValueError, match=match):

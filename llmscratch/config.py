@@ -1,0 +1,161 @@
+"""What a run is asked to do: the pretraining and finetuning configs, each field checked once here.
+
+A field is declared with ``setting``: its default, the help of its command-line flag and its check,
+written once. The configs check every field when they are made (a ``ConfigError`` naming the field),
+and ``llmscratch.cli`` turns the same fields into the scripts' flags.
+"""
+
+import math
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from llmscratch.device import DTYPES
+from llmscratch.lora import LoRAConfig
+
+__all__ = ["ConfigError", "FinetuneConfig", "TRAINABLE", "TrainConfig", "setting"]
+
+Check = Callable[[Any], str | None]  # the problem with a value ("must be ..."), or None when it is fine
+
+
+class ConfigError(ValueError):
+    """A value a config refuses: which field, what it must be, and what it got."""
+
+    def __init__(self, name: str, problem: str, value: Any):
+        super().__init__(f"{name} {problem}, got {value!r}")
+        self.name, self.problem, self.value = name, problem, value
+
+
+def setting(default: Any, help: str, check: Check | None = None, choices: Sequence | None = None):
+    """A config field: its default, the help of its flag, and its check (or the values it may take)."""
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices})
+
+
+def positive_int(value) -> str | None:
+    return None if isinstance(value, int) and value >= 1 else "must be a positive integer"
+
+
+def positive(value) -> str | None:
+    return None if value > 0 else "must be positive"
+
+
+def non_negative(value) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def fraction(value) -> str | None:
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
+def check_fields(config) -> None:
+    """ConfigError for the first field its declaration refuses; None passes where the type allows it."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if "help" not in f.metadata or (value is None and optional(f.type)):
+            continue
+        choices, check = f.metadata["choices"], f.metadata["check"]
+        if choices is not None:
+            problem = None if value in choices else f"must be one of {list(choices)}"
+        elif float in types_of(f.type) and not math.isfinite(value):  # inf and NaN, said plainly
+            problem = "must be a finite number"
+        else:
+            problem = check(value) if check else None
+        if problem:
+            raise ConfigError(f.name, problem, value)
+
+
+def types_of(annotation) -> tuple:
+    """The types an annotation names: (int, NoneType) for ``int | None``."""
+    return annotation.__args__ if isinstance(annotation, types.UnionType) else (annotation,)
+
+
+def optional(annotation) -> bool:
+    return type(None) in types_of(annotation)
+
+
+@dataclass
+class TrainConfig:
+    """How to train: steps, batch, schedule, precision, and how often to evaluate, sample and save."""
+
+    max_steps: int = setting(1000, "optimizer steps", positive_int)
+    batch_size: int = setting(16, "sequences per micro-step on each process", positive_int)
+    grad_accum: int = setting(1, "micro-steps per optimizer step: the global batch is batch-size x grad-accum x "
+                                 "processes sequences", positive_int)
+    lr: float = setting(1e-3, "peak learning rate", positive)  # reached after warmup
+    min_lr: float = setting(1e-4, "end of the cosine decay", non_negative)  # and at most lr
+    warmup_steps: int = setting(100, "linear warmup steps", non_negative)
+    weight_decay: float = setting(0.1, "AdamW weight decay on weight matrices", non_negative)
+    beta1: float = 0.9  # AdamW's betas, checked as a pair below
+    beta2: float = 0.95
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 turns it off", non_negative)
+    eval_interval: int = setting(250, "steps between evaluations", positive_int)
+    eval_tokens: int = setting(32_768, "validation tokens per periodic evaluation", positive_int)
+    final_eval_tokens: int | None = setting(None, "validation tokens of the final evaluation (default: all of them)",
+                                            positive_int)
+    checkpoint_interval: int = setting(250, "steps between checkpoints; one is always written at the end",
+                                       positive_int)
+    sample_interval: int = setting(500, "steps between samples", positive_int)
+    sample_prompt: str = setting("Call me", "prompt of the samples")
+    sample_tokens: int = setting(48, "tokens generated per sample", non_negative)
+    sample_temperature: float = setting(0.8, "temperature of the samples; 0: greedy", non_negative)
+    sample_top_k: int | None = setting(50, "sample among the k most likely tokens (None: all)", positive_int)
+    log_interval: int = setting(10, "steps between tokens/s and MFU measurements", positive_int)
+    dtype: str = setting("float32", "float32, bfloat16 (autocast) or float16 (autocast + gradient scaler)",
+                         choices=sorted(DTYPES))
+    compile: bool = setting(False, "run the model through torch.compile")
+    seed: int = setting(1337, "seed of the weights, data order and samples")
+    peak_tflops: float | None = setting(None, "peak TFLOP/s of one device for MFU (default: a table of GPUs, or "
+                                              "this CPU measured once)", positive)
+    max_time: float | None = setting(None, "seconds: stop early (with a final evaluation and checkpoint)", positive)
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.min_lr > self.lr:
+            raise ConfigError("min_lr", f"must be at most lr={self.lr}", self.min_lr)
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+TRAINABLE = ("head", "last-k", "all", "lora")
+
+
+@dataclass
+class FinetuneConfig:
+    """How to finetune: epochs, batch, learning rate, precision, and which parameters train."""
+
+    epochs: int = setting(3, "passes over the training split", positive_int)
+    batch_size: int = setting(8, "examples per optimizer step", positive_int)
+    lr: float = setting(1e-4, "peak learning rate (warmup, then cosine decay)", positive)
+    min_lr_ratio: float = setting(0.1, "end of the cosine decay, as a fraction of lr", fraction)
+    warmup_fraction: float = setting(0.1, "share of all steps spent warming up",
+                                     lambda value: None if 0 <= value < 1 else "must be in [0, 1)")
+    weight_decay: float = setting(0.1, "AdamW weight decay on weight matrices", non_negative)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 turns it off", non_negative)
+    dtype: str = setting("float32", "autocast precision (bfloat16 on recent GPUs); weights stay float32",
+                         choices=sorted(DTYPES))
+    seed: int = setting(123, "seed of the splits, shuffling and init")
+    trainable: str = setting("all", "what trains: the head only, the last k blocks + final norm + head, "
+                                    "everything, or LoRA adapters (+ the head)", choices=TRAINABLE)
+    last_k: int = setting(1, "blocks that train with --trainable last-k", positive_int)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # used when trainable == "lora"
+
+    def __post_init__(self):
+        check_fields(self)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def train_config(self, steps_per_epoch: int) -> TrainConfig:
+        """The pretraining config whose optimizer and schedule this run reuses."""
+        steps = self.epochs * steps_per_epoch
+        return TrainConfig(max_steps=steps, batch_size=self.batch_size, lr=self.lr, min_lr=self.lr * self.min_lr_ratio,
+                           warmup_steps=int(self.warmup_fraction * steps), weight_decay=self.weight_decay,
+                           grad_clip=self.grad_clip, dtype=self.dtype, seed=self.seed)

@@ -1,0 +1,52 @@
+"""Where a model runs and in which precision: device names, dtype names, autocast.
+
+Every script and module that takes ``--device`` or ``--dtype`` resolves it here.
+"""
+
+import contextlib
+
+import torch
+
+__all__ = ["DTYPES", "autocast", "choose_dtype", "resolve_device"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' is CUDA when available, else CPU; anything else must exist on this machine."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name; expected auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for, but this torch sees no CUDA GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {name!r} was asked for, but MPS is not available here")
+    elif device.type != "cpu":
+        raise ValueError(f"device {name!r} is not supported; expected auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def choose_dtype(device: torch.device) -> str:
+    """The precision a run uses by default: bf16 on GPUs that have it, fp16 on older GPUs, else fp32.
+
+    On CPU float32 stays the default: without AMX matrix units bfloat16 autocast was slower than
+    float32 on the 2-core machine measured for ``benchmarks/RESULTS.md``, and no more accurate.
+    """
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def autocast(device: torch.device | str, dtype: torch.dtype):
+    """Mixed precision for the forward pass (CUDA or CPU); a no-op context in float32."""
+    device = torch.device(device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -1,0 +1,71 @@
+"""llmscratch.cli: flags made from the config fields, and a refused value named by its flag."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from llmscratch.cli import HelpFormatter, add_flags, build_config, refuse
+from llmscratch.config import ConfigError, FinetuneConfig, TrainConfig
+
+
+def parser_with(config, *names: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="script", formatter_class=HelpFormatter)
+    add_flags(parser, config, *names)
+    return parser
+
+
+def test_every_field_with_help_makes_a_flag_with_its_default_type_and_choices():
+    for config in (TrainConfig(), FinetuneConfig()):
+        names = [f.name for f in dataclasses.fields(config) if "help" in f.metadata]
+        args = parser_with(config, *names).parse_args([])
+        assert {name: getattr(args, name) for name in names} == {name: getattr(config, name) for name in names}
+    args = parser_with(TrainConfig(), "max_steps", "lr", "compile", "final_eval_tokens").parse_args(
+        ["--max-steps", "7", "--lr", "0.5", "--compile", "--final-eval-tokens", "64"])
+    assert (args.max_steps, args.lr, args.compile, args.final_eval_tokens) == (7, 0.5, True, 64)
+    with pytest.raises(SystemExit):
+        parser_with(FinetuneConfig(), "trainable").parse_args(["--trainable", "some"])  # not one of TRAINABLE
+
+
+def test_help_shows_a_default_only_where_there_is_one():
+    shown = parser_with(TrainConfig(max_steps=9), "max_steps", "compile", "peak_tflops").format_help()
+    assert "optimizer steps (default: 9)" in shown
+    assert "torch.compile\n" in shown  # a switch: no "(default: False)"
+    assert "(default: None)" not in shown
+
+
+def test_build_config_takes_the_flags_and_what_the_script_worked_out():
+    args = parser_with(TrainConfig(), "max_steps", "lr").parse_args(["--max-steps", "5"])
+    config = build_config(TrainConfig, args, min_lr=1e-5)
+    assert (config.max_steps, config.lr, config.min_lr) == (5, 1e-3, 1e-5)
+
+
+@pytest.mark.parametrize(("flags", "field", "flag"), [
+    (["--max-steps", "0"], "max_steps must be a positive integer, got 0",
+     "--max-steps must be a positive integer, got 0"),
+    (["--lr", "-1"], "lr must be positive, got -1.0", "--lr must be positive, got -1.0"),
+    (["--grad-clip", "-0.5"], "grad_clip must be >= 0, got -0.5", "--grad-clip must be >= 0, got -0.5"),
+])
+def test_a_refused_value_is_a_parser_error_naming_the_flag(flags, field, flag, capsys):
+    parser = parser_with(TrainConfig(), "max_steps", "lr", "grad_clip")
+    with pytest.raises(ConfigError, match=f"^{field}$") as raised:
+        build_config(TrainConfig, parser.parse_args(flags))
+    with pytest.raises(SystemExit) as exit_info:
+        refuse(parser, raised.value)
+    assert exit_info.value.code == 2 and f"error: {flag}\n" in capsys.readouterr().err
+
+
+def test_configs_name_the_bad_field():
+    for config_class, bad, message in [
+        (TrainConfig, {"eval_tokens": 0}, "eval_tokens must be a positive integer, got 0"),
+        (TrainConfig, {"min_lr": 0.1}, "min_lr must be at most lr=0.001, got 0.1"),
+        (TrainConfig, {"peak_tflops": float("inf")}, "peak_tflops must be a finite number, got inf"),
+        (TrainConfig, {"sample_top_k": 0}, "sample_top_k must be a positive integer, got 0"),
+        (FinetuneConfig, {"trainable": "some"},
+         "trainable must be one of ['head', 'last-k', 'all', 'lora'], got 'some'"),
+        (FinetuneConfig, {"warmup_fraction": 1.0}, "warmup_fraction must be in [0, 1), got 1.0"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            config_class(**bad)
+        assert str(raised.value) == message
+    assert TrainConfig(final_eval_tokens=None, sample_top_k=None).sample_top_k is None  # None where the type allows

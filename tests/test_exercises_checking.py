@@ -1,0 +1,125 @@
+"""The machinery every exercise check shares: verdicts, the smallest failing case, hints, the command line."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmscratch.exercises import CHAPTERS, chapter
+from llmscratch.exercises.checking import Chapter, attempt, diagnose, expect_close, expect_equal
+
+
+def toy_chapter() -> Chapter:
+    """One exercise: a function that doubles a tensor; cases from the smallest up."""
+    toy = Chapter("toy", "a chapter for testing the checks")
+
+    @toy.exercise("double", title="Double a tensor", difficulty="warm-up", section="1", kind="write it yourself")
+    def check_double(answer):
+        cases = [torch.zeros(0), torch.tensor([1.0]), torch.arange(5.0), torch.randn(3, 4)]
+        for x in cases:
+            case = f"x of shape {tuple(x.shape)}"
+            got = attempt(answer, x.clone(), case=case)
+            hint = diagnose(got, {"you added 2 instead of multiplying by 2": lambda: x + 2,
+                                  "you squared instead of doubling": lambda: x * x}, "compare with x * 2")
+            expect_close(got, x * 2, case=case, hint=hint)
+        return len(cases)
+
+    return toy
+
+
+def test_a_right_answer_passes_and_says_how_many_cases(capsys):
+    verdict = toy_chapter().check(lambda x: 2 * x, "double")
+    assert verdict.status == "passed" and "(4 cases)" in str(verdict)
+    assert capsys.readouterr().out.strip() == "double: passed (4 cases)"
+
+
+def test_the_answer_is_found_by_its_name():
+    def double(x):
+        return x + x
+    assert toy_chapter().check(double, quiet=True).status == "passed"
+
+
+def test_a_wrong_answer_gets_the_smallest_failing_input_and_the_matching_hint():
+    verdict = toy_chapter().check(lambda x: x + 2, "double", quiet=True)
+    assert verdict.status == "failed"
+    # the empty tensor passes (x + 2 of nothing is nothing); the first failure is the 1-element one
+    assert "input:    x of shape (1,)" in verdict.detail
+    assert "hint:     you added 2 instead of multiplying by 2" in verdict.detail
+    assert "expected: tensor of shape (1,) [2]" in verdict.detail
+
+
+def test_an_unknown_mistake_gets_the_default_hint():
+    verdict = toy_chapter().check(lambda x: x * 4, "double", quiet=True)
+    assert verdict.status == "failed" and "hint:     compare with x * 2" in verdict.detail
+
+
+def test_the_stub_reads_not_done_yet():
+    def double(x):
+        raise NotImplementedError
+    verdict = toy_chapter().check(double, quiet=True)
+    assert verdict.status == "not done yet"
+
+
+@pytest.mark.parametrize("answer, expected_text", [
+    (lambda x: x.reshape(-1, 1) * 2, "the shape is wrong"),
+    (lambda x: (x * 2).tolist(), "not a tensor"),
+    (lambda x: 1 / 0, "ZeroDivisionError"),
+    (lambda: None, "TypeError"),  # the wrong signature
+])
+def test_a_wrong_answer_never_raises_out_of_the_check(answer, expected_text):
+    verdict = toy_chapter().check(answer, "double", quiet=True)
+    assert verdict.status == "failed" and expected_text in verdict.detail
+
+
+def test_the_check_leaves_the_readers_random_stream_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    toy_chapter().check(lambda x: 2 * x, "double", quiet=True)  # the checker draws random cases
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_expect_equal_compares_values_and_tensors():
+    expect_equal([1, 2], [1, 2], case="c", hint="h")
+    expect_equal(torch.tensor([True, False]), torch.tensor([True, False]), case="c", hint="h")
+    for got, expected in [([1, 2], [2, 1]), (torch.tensor([1, 2]), torch.tensor([1, 3])),
+                          (torch.tensor([1.0, 2.0]), torch.tensor([1, 2]))]:
+        with pytest.raises(Exception) as err:
+            expect_equal(got, expected, case="c", hint="h")
+        assert type(err.value).__name__ == "Mismatch" and err.value.hint in ("h", "the shape is wrong; h")
+
+
+def test_every_chapter_has_at_least_six_exercises_of_each_kind_described():
+    total = 0
+    for name in CHAPTERS:
+        exercises = chapter(name).exercises
+        assert len(exercises) >= 6, name
+        kinds = {e.kind for e in exercises.values()}
+        assert kinds == {"write it yourself", "extend the package"}, name
+        total += len(exercises)
+    assert total >= 30
+
+
+def test_the_command_line_prints_a_table_and_fails_on_a_wrong_answer(tmp_path):
+    first = next(iter(chapter("ch01").exercises))
+    answers = tmp_path / "answers.py"
+    answers.write_text(f"def {first}(*args, **kwargs):\n    return 'certainly wrong'\n")
+    result = subprocess.run([sys.executable, "-m", "llmscratch.exercises", "ch01", str(answers)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line and line.split()[0] in
+            chapter("ch01").exercises}
+    assert rows[first].endswith("failed") and all(
+        row.endswith("not done yet") for name, row in rows.items() if name != first)
+    assert len(rows) == len(chapter("ch01").exercises)
+
+
+def test_the_command_line_names_a_missing_or_broken_file(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "llmscratch.exercises", "ch01", str(tmp_path / "nope.py")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "nope.py: no such file" in missing.stderr
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    broken = subprocess.run([sys.executable, "-m", "llmscratch.exercises", "ch01", str(tmp_path / "broken.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert broken.returncode == 2 and "broken.py does not run: SyntaxError" in broken.stderr
