@@ -80,7 +80,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
         state = {{"model": {{"w": torch.ones(1000)}}, "model_config": {{}}, "step": 2}}
         save_checkpoint({str(tmp_path / "c.pt")!r}, state)
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == -9, result.stderr
     assert load_checkpoint(tmp_path / "c.pt")["step"] == 1
     assert_same_weights(model_from_checkpoint(tmp_path / "c.pt"), model)

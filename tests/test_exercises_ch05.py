@@ -8,6 +8,7 @@ from exercise_suite import ExerciseSuite, solutions
 from torch import nn
 
 from llmscratch.exercises import ch05
+from llmscratch.exercises.ch05_references import early_stop, instruction_rows
 from llmscratch.instruct import IGNORE_INDEX, collate
 from llmscratch.optim import OptimizerStep
 
@@ -192,9 +193,9 @@ class TestChapter5(ExerciseSuite):
 def test_the_references_of_the_usual_mistakes_start_from_the_package():
     # The checker's own construction of a batch, without a slip, is the package's collate.
     pairs = [([1, 2, 3], [4]), ([5], [6, 7, 8, 9]), ([10, 11], [12, 13])]
-    for got, expected in zip(ch05._rows(pairs, 63), collate(pairs, 63, mask_prompt=True)):
+    for got, expected in zip(instruction_rows(pairs, 63), collate(pairs, 63, mask_prompt=True)):
         assert torch.equal(got, expected)
-    assert ch05._early_stop([1.0, 0.8, 0.85, 0.7, 0.75, 0.76, 0.5], patience=2, epochs=6) == (5, 3)
+    assert early_stop([1.0, 0.8, 0.85, 0.7, 0.75, 0.76, 0.5], patience=2, epochs=6) == (5, 3)
 
 
 def test_a_wrong_answer_that_is_no_module_or_raises_is_a_verdict_not_a_traceback():

@@ -75,17 +75,23 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_fil
     run = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 300  # a hang fails here, with the run killed, not at CI's limit
     while run.poll() is None and (not metrics.is_file() or metrics.read_text().count("\n") < 7):
+        if time.monotonic() > deadline:
+            run.kill()
+            raise AssertionError(f"no 7 logged steps after 300 s: {run.communicate()[1][-4000:]}")
         time.sleep(0.05)
     assert run.poll() is None, f"the run ended before it could be killed: {run.stderr.read()}"
     run.send_signal(signal.SIGKILL)
-    run.wait()
+    run.wait(timeout=60)
     killed_at = metrics.read_text().count("\n")
     assert 7 <= killed_at < 300 and load_checkpoint(tmp_path / "killed" / "checkpoint.pt")["step"] >= 5
 
-    resumed = subprocess.run(command(tmp_path / "killed", "--resume"), env=env, capture_output=True, text=True)
+    resumed = subprocess.run(command(tmp_path / "killed", "--resume"), env=env, capture_output=True, text=True,
+                             timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    uninterrupted = subprocess.run(command(tmp_path / "straight"), env=env, capture_output=True, text=True)
+    uninterrupted = subprocess.run(command(tmp_path / "straight"), env=env, capture_output=True, text=True,
+                                   timeout=600)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
 
     def losses(folder):

@@ -7,15 +7,14 @@ the token embedding plugged into ``GPT``, and ``fit`` with early stopping that k
 """
 
 import copy
+import functools
 
 import torch
 from torch import nn
 
 from llmscratch.classify import GPTClassifier, classification_metrics
 from llmscratch.config import FinetuneConfig
-from llmscratch.exercises.ch05_references import choice_logprobs, lora_lookup
-from llmscratch.exercises.ch05_references import early_stop as _early_stop  # names the tests read
-from llmscratch.exercises.ch05_references import instruction_rows as _rows
+from llmscratch.exercises.ch05_references import choice_logprobs, early_stop, instruction_rows, lora_lookup
 from llmscratch.exercises.checking import Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal
 from llmscratch.exercises.fixtures import (VOCAB, build_module, decoded, flat_parameters, lm_backward, tiny_gpt,
                                            token_ids)
@@ -118,6 +117,7 @@ def check_collate_masked(answer) -> int:
                   torch.randint(eos_id, (a,), generator=generator).tolist()) for p, a in lengths]
         pairs[-1][1][-1] = eos_id - 1
         case = f"collate_masked({pairs}, eos_id={eos_id})"
+        rows = functools.partial(instruction_rows, pairs, eos_id)  # the reference, one slip per keyword
         got = attempt(answer, copy.deepcopy(pairs), eos_id, case=case)
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             raise Mismatch(case, "(inputs, targets)", describe(got), "return the two tensors: inputs, targets")
@@ -125,20 +125,20 @@ def check_collate_masked(answer) -> int:
         inputs, targets = collate(pairs, eos_id, mask_prompt=True)
         hint = diagnose(got_inputs, {
             "end every row with eos_id: the model learns to write <|endoftext|> after the answer":
-                lambda: _rows(pairs, eos_id, eos=False)[0],
-            "pad the inputs with eos_id: -100 is no token id": lambda: _rows(pairs, eos_id, pad_input=IGNORE_INDEX)[0],
-            "pad the inputs with eos_id (the pad id), not 0": lambda: _rows(pairs, eos_id, pad_input=0)[0],
+                lambda: rows(eos=False)[0],
+            "pad the inputs with eos_id: -100 is no token id": lambda: rows(pad_input=IGNORE_INDEX)[0],
+            "pad the inputs with eos_id (the pad id), not 0": lambda: rows(pad_input=0)[0],
         }, "inputs row i is (prompt + answer + [eos_id])[:-1], padded on the right with eos_id")
         expect_equal(got_inputs, inputs, case=case + ": the inputs", hint=hint)
         hint = diagnose(got_targets, {
             "targets are shifted by one (target t is token t + 1), so only the first len(prompt) - 1 targets are "
-            "prompt tokens: you also hid the first answer token": lambda: _rows(pairs, eos_id, masked=lambda n: n)[1],
+            "prompt tokens: you also hid the first answer token": lambda: rows(masked=lambda n: n)[1],
             "mask the prompt: its first len(prompt) - 1 targets are -100":
-                lambda: _rows(pairs, eos_id, masked=lambda n: 0)[1],
+                lambda: rows(masked=lambda n: 0)[1],
             "pad the targets with -100 (IGNORE_INDEX), which the loss skips, not with eos_id":
-                lambda: _rows(pairs, eos_id, pad_target=eos_id)[1],
+                lambda: rows(pad_target=eos_id)[1],
             "keep the end-of-text after the answer as a target: it is what teaches the model to stop":
-                lambda: _rows(pairs, eos_id, stop_target=False)[1],
+                lambda: rows(stop_target=False)[1],
         }, "targets row i is (prompt + answer + [eos_id])[1:], its first len(prompt) - 1 set to -100, padded with -100")
         expect_equal(got_targets, targets, case=case + ": the targets", hint=hint)
     return len(cases)
@@ -349,16 +349,16 @@ def check_fit_early_stopping(answer) -> int:
         model = tiny_gpt(seed=8)
         batches, evaluate, seen = _training_run(model, data, losses)
         got = attempt(answer, model, batches, lm_loss, config, CPU, evaluate=evaluate, patience=patience, case=case)
-        trained, best = _early_stop(losses, patience, config.epochs)
+        trained, best = early_stop(losses, patience, config.epochs)
         hint = diagnose(len(seen) - 1, {
             "a tie is no improvement: count an epoch as better only when its loss is strictly lower":
-                lambda: _early_stop(losses, patience, config.epochs, strict=False)[0],
+                lambda: early_stop(losses, patience, config.epochs, strict=False)[0],
             "you stopped one epoch late: stop as soon as `patience` epochs in a row have not improved":
-                lambda: _early_stop(losses, patience + 1, config.epochs)[0],
+                lambda: early_stop(losses, patience + 1, config.epochs)[0],
             "you stopped one epoch early: `patience` epochs without improvement are allowed before stopping":
-                lambda: _early_stop(losses, patience - 1, config.epochs)[0] if patience > 1 else None,
+                lambda: early_stop(losses, patience - 1, config.epochs)[0] if patience > 1 else None,
             "patience counts epochs in a row: reset the count when the loss improves":
-                lambda: _early_stop(losses, patience, config.epochs, reset=False)[0],
+                lambda: early_stop(losses, patience, config.epochs, reset=False)[0],
         }, f"train epoch after epoch, evaluate() after each; stop after epoch {trained} here")
         expect_equal(len(seen) - 1, trained, case=case + ": epochs trained (evaluate() calls - 1)", hint=hint)
         for epoch in range(1, trained + 1):
