@@ -5,9 +5,10 @@
     python ch04-pretraining/pretrain.py --resume               # continue runs/pretrain from its last checkpoint
     torchrun --nproc_per_node=8 ch04-pretraining/pretrain.py --data tokens/ --tokenizer gpt2 --preset llama-small
 
-The run folder (--out-dir) receives checkpoint.pt (to resume), model.safetensors (weights,
-config and tokenizer, for finetuning), tokenizer.json, metrics.jsonl, loss.png, summary.json
-and sample.txt.
+Under torchrun, --parallel fsdp gives each process a shard of the model (llmscratch.parallel).
+The run folder (--out-dir) receives checkpoint.pt (to resume; a checkpoint/ folder with --parallel
+fsdp), model.safetensors (weights, config and tokenizer, for finetuning), tokenizer.json,
+metrics.jsonl, loss.png, summary.json and sample.txt.
 """
 
 import argparse
@@ -27,13 +28,15 @@ import torch
 from llmscratch import distributed
 from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.atomic import remove_stale_temporaries, write_text_atomically
-from llmscratch.checkpoint import export_model, load_checkpoint, tokenizer_from_checkpoint
+from llmscratch.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.cli import HelpFormatter, add_flags, build_config, finite_float, refuse
 from llmscratch.data import load_token_meta, load_token_split
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
 from llmscratch.model import GPT, PRESETS, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
-from llmscratch.train import CHECKPOINT_FILE, TrainConfig, Trainer, TrainingDiverged, TrainingStopped
+from llmscratch.sharded_checkpoint import read_meta, sharded_checkpoint_path
+from llmscratch.train import (CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, TrainConfig, Trainer, TrainingDiverged,
+                              TrainingStopped)
 
 RUN_FILE = "run.json"  # the flags of the run, so that --resume needs no others
 TOKENIZER_FILE = "tokenizer.json"
@@ -56,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", default="bpe:4096",
                    help="bpe:N trains a byte-level BPE of N tokens on the training split (text files only); "
                         "gpt2 is GPT-2's 50,257-token vocabulary; or the path of a tokenizer JSON saved "
-                        "by BPETokenizer.save, or a checkpoint.pt or model.safetensors that holds one "
+                        "by BPETokenizer.save, or a checkpoint.pt, checkpoint/ or model.safetensors that holds one "
                         "(default: %(default)s: for this small model it beats "
                         "GPT-2's vocabulary in the same time, 1.99 against 2.14 bits per byte; "
                         "see benchmarks/RESULTS.md)")
@@ -74,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
                         "on older GPUs, float32 on CPU")
-    add_flags(t, DEFAULTS, "compile")
+    add_flags(t, DEFAULTS, "compile", "parallel", "activation_checkpointing")
     t.add_argument("--device", default="auto",
                    help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK")
     add_flags(t, DEFAULTS, "seed")
@@ -125,10 +128,10 @@ def read_run_flags(out_dir: Path) -> dict:
     run.json holds them; the checkpoint holds a copy, used when run.json is lost or damaged. The
     tokenizer is the run's tokenizer.json, or the one in the checkpoint if that file is gone.
     """
-    checkpoint, run_file = out_dir / CHECKPOINT_FILE, out_dir / RUN_FILE
-    if not checkpoint.is_file():
-        return {"error": f"--resume: {out_dir} holds no run to resume (it needs {CHECKPOINT_FILE} and {RUN_FILE}, "
-                         f"written by this script)"}
+    checkpoint, run_file = run_checkpoint(out_dir), out_dir / RUN_FILE
+    if checkpoint is None:
+        return {"error": f"--resume: {out_dir} holds no run to resume (it needs {CHECKPOINT_FILE} or "
+                         f"{SHARDED_CHECKPOINT_DIR}/, and {RUN_FILE}, written by this script)"}
     try:
         flags = json.loads(run_file.read_text(encoding="utf-8"))
         problem = None if isinstance(flags, dict) and "data" in flags else "does not hold a run's flags"
@@ -138,7 +141,8 @@ def read_run_flags(out_dir: Path) -> dict:
         problem = f"is unreadable ({err})"
     if problem is not None:
         try:
-            flags = load_checkpoint(checkpoint).get("run", {}).get("flags")
+            saved = read_meta(checkpoint) if checkpoint.is_dir() else load_checkpoint(checkpoint)
+            flags = saved.get("run", {}).get("flags")
         except ValueError as err:
             return {"error": f"--resume: {run_file} {problem}, and {err}"}
         if not isinstance(flags, dict) or "data" not in flags:
@@ -146,6 +150,13 @@ def read_run_flags(out_dir: Path) -> dict:
         print(f"note: {run_file} {problem}; resuming with the flags saved in {checkpoint}", file=sys.stderr)
     own = out_dir / TOKENIZER_FILE
     return {**flags, "tokenizer": str(own if own.is_file() else checkpoint)}
+
+
+def run_checkpoint(out_dir: Path) -> Path | None:
+    """The run's checkpoint: checkpoint.pt, or the checkpoint/ folder of a --parallel fsdp run (None: neither)."""
+    if (out_dir / CHECKPOINT_FILE).exists():
+        return out_dir / CHECKPOINT_FILE
+    return sharded_checkpoint_path(out_dir / SHARDED_CHECKPOINT_DIR)  # or its .old copy after a crash
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -185,10 +196,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         size = args.tokenizer[4:]
         if not size.isdigit() or int(size) < 257:
             parser.error(f"--tokenizer {args.tokenizer}: expected bpe:N with N >= 257 (256 bytes + <|endoftext|>)")
-    elif args.tokenizer not in ("gpt2", "auto") and not Path(args.tokenizer).is_file():
+    elif args.tokenizer not in ("gpt2", "auto") and not Path(args.tokenizer).exists():
         parser.error(f"--tokenizer {args.tokenizer}: not bpe:N, gpt2, or an existing tokenizer JSON file")
     check_out_dir(parser, args.out_dir)
-    if (args.out_dir / CHECKPOINT_FILE).exists() and not (args.resume or args.overwrite):
+    if run_checkpoint(args.out_dir) is not None and not (args.resume or args.overwrite):
         parser.error(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it, "
                      f"--overwrite to start again, or choose another --out-dir")
 
@@ -210,7 +221,7 @@ def build_tokenizer(spec: str, train_text: str | None) -> BPETokenizer:
         return BPETokenizer.gpt2()
     if spec.startswith("bpe:"):
         return BPETokenizer.train(train_text, int(spec[4:]), special_tokens=[ENDOFTEXT], name=spec.replace(":", "-"))
-    if Path(spec).suffix in (".pt", ".safetensors"):
+    if Path(spec).suffix in (".pt", ".safetensors") or Path(spec).is_dir():
         return tokenizer_from_checkpoint(spec)
     return BPETokenizer.load(spec)
 
@@ -351,7 +362,8 @@ def run(argv: list[str] | None, dist: distributed.DistInfo, start: float) -> int
     say(f"done in {int(minutes)}m{seconds:02.0f}s: {result['steps']} steps, "
         f"{result['tokens_seen'] / 1e6:.2f}M tokens "
         f"| val loss {result['val_loss']:.3f} nats/token, perplexity {result['val_perplexity']:.1f}, "
-        f"{result['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: checkpoint.pt, model.safetensors, "
+        f"{result['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: "
+        f"{SHARDED_CHECKPOINT_DIR + '/' if args.parallel == 'fsdp' else CHECKPOINT_FILE}, model.safetensors, "
         f"loss.png, metrics.jsonl, summary.json, sample.txt")
     return 0
 
@@ -362,19 +374,20 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
     The model and the Trainer (with its DDP wrapper) live only in here: they are gone when it
     returns, before the process group is left.
     """
-    checkpoint = args.out_dir / CHECKPOINT_FILE
     if dist.is_main:
-        remove_stale_temporaries(checkpoint)  # left by a process killed mid-save
+        remove_stale_temporaries(args.out_dir / CHECKPOINT_FILE)  # left by a process killed mid-save
     torch.manual_seed(args.seed)  # the same initial weights on every process
     model = GPT(model_config)
     say(f"model: {args.preset}, {model.num_params():,} parameters, context {model_config.context_length}, "
-        f"vocabulary {model_config.vocab_size:,} | {dist.world_size} process(es) on {dist.device.type}, "
+        f"vocabulary {model_config.vocab_size:,} | {dist.world_size} process(es) on {dist.device.type}"
+        f"{' (fsdp: sharded)' if train_config.parallel == 'fsdp' and dist.enabled else ''}, "
         f"{train_config.dtype}{', compiled' if train_config.compile else ''}, "
         f"{train_config.batch_size * train_config.grad_accum * dist.world_size * model_config.context_length:,} "
         f"tokens per step")
     flags = run_flags(args)
     trainer = Trainer(model, train_config, train, val, args.out_dir, tokenizer, dist,
                       run_info={"flags": flags if dist.is_main else None})
+    checkpoint = trainer.checkpoint_path
 
     def record_run() -> None:  # only once a resumed checkpoint is accepted: a refused --resume changes nothing
         if dist.is_main:  # on --resume too: flags given now (a larger --max-steps) stick
@@ -383,8 +396,7 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
     try:
         with stop_on_signals(trainer, say):
             summary = trainer.fit(resume=args.resume, progress=not args.no_progress, on_start=record_run)
-        if dist.is_main:
-            export_model(trainer.model, args.out_dir / "model.safetensors", tokenizer, DTYPES[args.export_dtype])
+        trainer.export(args.out_dir / "model.safetensors", DTYPES[args.export_dtype])  # every process: FSDP gathers
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

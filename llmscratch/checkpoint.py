@@ -170,14 +170,20 @@ def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokeni
     dtype: store the weights in this precision (bfloat16 halves the file); None keeps theirs.
     ``model_from_checkpoint`` loads them back into a float32 model either way.
     """
+    raw = unwrap(model)
+    export_state_dict(raw.state_dict(), raw.config, path, tokenizer, dtype)
+
+
+def export_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, path: str | os.PathLike,
+                      tokenizer: BPETokenizer | None = None, dtype: torch.dtype | None = None) -> None:
+    """``export_model`` from a full state dict and its config (e.g. gathered from a sharded model)."""
     from safetensors.torch import save_file
 
-    raw = unwrap(model)
     tensors = {name: tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
-               for name, tensor in raw.state_dict().items()}
-    if raw.config.tie_embeddings:
+               for name, tensor in clean_state_dict(state).items()}
+    if config.tie_embeddings:
         del tensors["lm_head.weight"]  # the same matrix as the token embedding: stored once
-    metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(raw.config.to_dict())}
+    metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(config.to_dict())}
     if tokenizer is not None:
         metadata["tokenizer"] = tokenizer.to_json()
     write_atomically(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
@@ -228,9 +234,14 @@ def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.dev
 
 
 def tokenizer_from_checkpoint(path: str | os.PathLike) -> BPETokenizer:
-    """The tokenizer saved with a training checkpoint or a model export."""
+    """The tokenizer saved with a training checkpoint (checkpoint.pt or a sharded checkpoint/ folder) or a
+    model export."""
     path = Path(path)
-    if path.suffix == ".safetensors":
+    if path.is_dir():
+        from llmscratch.sharded_checkpoint import read_meta  # torch.distributed.checkpoint: only when needed
+
+        text = read_meta(path).get("tokenizer")
+    elif path.suffix == ".safetensors":
         if not path.is_file():
             raise ValueError(f"no model export at {path}")
         text = _read_export(path, tensors=False)[0].get("tokenizer")

@@ -16,7 +16,10 @@ import torch
 from llmscratch.device import DTYPES
 from llmscratch.lora import LoRAConfig
 
-__all__ = ["ConfigError", "FinetuneConfig", "TRAINABLE", "TrainConfig", "setting"]
+__all__ = ["ConfigError", "FinetuneConfig", "PARALLEL", "TRAINABLE", "TrainConfig", "setting"]
+
+# How several processes share the model (llmscratch.parallel); "tp" and "fsdp+tp" are to come.
+PARALLEL = ("ddp", "fsdp")
 
 Check = Callable[[Any], str | None]  # the problem with a value ("must be ..."), or None when it is fine
 
@@ -106,6 +109,13 @@ class TrainConfig:
     dtype: str = setting("float32", "float32, bfloat16 (autocast) or float16 (autocast + gradient scaler)",
                          choices=sorted(DTYPES))
     compile: bool = setting(False, "run the model through torch.compile")
+    parallel: str = setting("ddp", "how several processes (torchrun) share the model: ddp keeps a whole copy on "
+                                   "each, fsdp shards weights, gradients and AdamW state across them (and saves "
+                                   "a sharded checkpoint/ folder); one process trains the same either way",
+                            choices=PARALLEL)
+    activation_checkpointing: bool = setting(False, "recompute each block's activations in backward instead of "
+                                                    "storing them (less memory, about 1/3 more compute); "
+                                                    "also on one process")
     seed: int = setting(1337, "seed of the weights, data order and samples")
     peak_tflops: float | None = setting(None, "peak TFLOP/s of one device for MFU (default: a table of GPUs, or "
                                               "this CPU measured once)", positive)
@@ -117,6 +127,12 @@ class TrainConfig:
             raise ConfigError("min_lr", f"must be at most lr={self.lr}", self.min_lr)
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        if self.parallel == "fsdp" and self.compile:
+            raise ConfigError("parallel", "cannot be fsdp with compile (not supported here yet): drop one of them",
+                              self.parallel)
+        if self.parallel == "fsdp" and self.dtype == "float16":
+            raise ConfigError("parallel", "cannot be fsdp with dtype float16 (its gradient scaler does not "
+                                          "handle sharded gradients): use bfloat16 or float32", self.parallel)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,37 +1,45 @@
-"""Pretraining: the run around the optimizer step: data, evaluation, samples, checkpoints, DDP.
+"""Pretraining: the run around the optimizer step: data, evaluation, samples, checkpoints, DDP or FSDP.
 
 ``Trainer(model, config, train_tokens, val_tokens, out_dir, tokenizer).fit()`` runs the same
-on a laptop CPU and, launched by ``torchrun``, on many GPUs. The step itself (AdamW, schedule,
-accumulation, mixed precision) is ``llmscratch.optim``; the run folder (``llmscratch.runlog``)
-gets ``checkpoint.pt``, ``metrics.jsonl``, ``loss.png``, ``summary.json`` and ``sample.txt``.
+on a laptop CPU and, launched by ``torchrun``, on many GPUs (``config.parallel``: each process a
+whole copy under DDP, a shard under FSDP, see ``llmscratch.parallel``). The step itself (AdamW,
+schedule, accumulation, mixed precision) is ``llmscratch.optim``; the run folder
+(``llmscratch.runlog``) gets ``checkpoint.pt`` (``checkpoint/`` with parallel="fsdp"),
+``metrics.jsonl``, ``loss.png``, ``summary.json`` and ``sample.txt``.
 """
 
 import dataclasses
 import inspect
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 
 from llmscratch import distributed
-from llmscratch.checkpoint import (check_model_config, load_checkpoint, load_model_state, rng_state,
-                                   save_checkpoint, set_rng_state)
+from llmscratch.checkpoint import (check_model_config, export_state_dict, load_checkpoint, load_model_state,
+                                   rng_state, save_checkpoint, set_rng_state)
 from llmscratch.config import TrainConfig
 from llmscratch.data import RandomWindowBatches
 from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.flops import peak_flops
 from llmscratch.model import GPT
 from llmscratch.optim import OptimizerStep, TrainingDiverged, configure_optimizer, learning_rate
+from llmscratch.parallel import GradientSync, apply_fsdp, checkpoint_activations
 from llmscratch.runlog import RunLog, sample_text
+from llmscratch.sharded_checkpoint import load_sharded, read_meta, save_sharded
 from llmscratch.tokenizer import BPETokenizer
 
 # The training API in one import: the config, the step's schedule and optimizer, and the run.
 __all__ = ["TrainConfig", "Trainer", "TrainingDiverged", "TrainingStopped", "configure_optimizer", "learning_rate"]
 
 CHECKPOINT_FILE = "checkpoint.pt"
+SHARDED_CHECKPOINT_DIR = "checkpoint"  # with parallel="fsdp": a folder of DCP shards (llmscratch.sharded_checkpoint)
 # DDP need not re-send buffers before each forward: the only ones (RoPE tables) are the same on every
 # process by construction. Newer torch names the option forward_sync_buffers, older broadcast_buffers.
 _NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
@@ -50,9 +58,11 @@ class TrainingStopped(Exception):
 class Trainer:
     """Owns a training run: the model, the optimizer step, the data, evaluation and the run folder.
 
-    Three handles on one network: ``model``, the plain GPT (its weights are saved, sampled and
-    exported); ``compiled``, what evaluation runs (``model`` through torch.compile, or ``model``
-    itself); ``wrapped``, what training steps run (``compiled``, inside DDP with several processes).
+    Three handles on one network: ``model``, the GPT (its weights are saved, sampled and
+    exported; under FSDP with several processes its parameters are sharded DTensors);
+    ``compiled``, what evaluation runs (``model`` through torch.compile, or ``model`` itself);
+    ``wrapped``, what training steps run (``compiled``, inside DDP with several processes and
+    parallel="ddp").
     """
 
     def __init__(self, model: GPT, config: TrainConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
@@ -70,15 +80,30 @@ class Trainer:
         self.val_tokens = val_tokens
         self.run_info = run_info or {}  # saved in the checkpoint as it is (e.g. the script's flags)
         self.model = model.to(self.device)
+        if config.activation_checkpointing:
+            checkpoint_activations(self.model)
+        # FSDP shards only across several processes; one process trains as under DDP (but saves checkpoint/).
+        self.sharded = config.parallel == "fsdp" and dist_info.enabled
+        # bfloat16 under FSDP: its policy casts the gathered weights (llmscratch.parallel), so no autocast.
+        self.compute_dtype = torch.float32 if self.sharded else config.torch_dtype
+        if self.sharded:
+            apply_fsdp(self.model, init_device_mesh(self.device.type, (dist_info.world_size,)),
+                       mixed_precision=config.dtype == "bfloat16")
         # Compile first, then wrap (as nanoGPT does): DDP's no_sync and hooks stay plain Python.
         self.compiled: nn.Module = torch.compile(self.model) if config.compile else self.model
         self.wrapped: nn.Module = self.compiled
-        if dist_info.enabled:
+        self.grad_sync = None  # what holds gradients back between micro-steps: DDP, or FSDP's switch
+        if self.sharded:
+            self.grad_sync = GradientSync(self.model)
+        elif dist_info.enabled:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.wrapped = nn.parallel.DistributedDataParallel(self.compiled, device_ids=device_ids,
-                                                               **_NO_BUFFER_SYNC)
-        self.optimizer_step = OptimizerStep(self.model, config, self.device, advice=(
-            f"training stopped. The last good checkpoint (if any) is kept in {self.out_dir / CHECKPOINT_FILE}"))
+            self.wrapped = self.grad_sync = nn.parallel.DistributedDataParallel(
+                self.compiled, device_ids=device_ids, **_NO_BUFFER_SYNC)
+        # Built after sharding: AdamW's moments are made like the (sharded) parameters they follow. Its
+        # fused CUDA kernel takes DTensors (DTensor shards the _fused_adamw_ op like any pointwise one).
+        step_config = dataclasses.replace(config, dtype="float32") if self.sharded else config
+        self.optimizer_step = OptimizerStep(self.model, step_config, self.device, advice=(
+            f"training stopped. The last good checkpoint (if any) is kept in {self.checkpoint_path}"))
         self.batches = RandomWindowBatches(train_tokens, config.batch_size, model.config.context_length,
                                            seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size)
         self.token_bytes = token_byte_lengths(tokenizer, model.config.vocab_size)
@@ -91,8 +116,13 @@ class Trainer:
         self.history: list[dict] = []  # this process's records since it started
         self.train_seconds = 0.0  # time spent in train_step since this process started
         self.window_seconds, self.window_steps = 0.0, 0  # since the last speed measurement
-        self.saved_step: int | None = None  # the step checkpoint.pt holds, once this process saved or loaded it
+        self.saved_step: int | None = None  # the step the checkpoint holds, once this process saved or loaded it
         self.stop_requested = False  # set by request_stop (e.g. from a signal handler)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """checkpoint.pt, or the checkpoint/ folder of DCP shards with parallel="fsdp" (on any number of processes)."""
+        return self.out_dir / (SHARDED_CHECKPOINT_DIR if self.config.parallel == "fsdp" else CHECKPOINT_FILE)
 
     @property
     def step(self) -> int:
@@ -103,7 +133,7 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm)."""
         micro_batches = [next(self.batches) for _ in range(self.config.grad_accum)]
-        return self.optimizer_step(micro_batches, self._loss, self.wrapped if self.dist.enabled else None)
+        return self.optimizer_step(micro_batches, self._loss, self.grad_sync)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)  # (B, T)
@@ -143,7 +173,7 @@ class Trainer:
                 if not last and distributed.any_process(self.stop_requested, self.device):
                     if self.saved_step != self.step:
                         self.save()
-                    raise TrainingStopped(self.step, self.out_dir / CHECKPOINT_FILE)
+                    raise TrainingStopped(self.step, self.checkpoint_path)
         return self.finish()
 
     def request_stop(self) -> None:
@@ -168,8 +198,13 @@ class Trainer:
         if self.step % config.eval_interval == 0 or last:
             metrics = self.evaluate(config.final_eval_tokens if last else config.eval_tokens)
             record.update({f"val_{k}": v for k, v in metrics.items()})
-        if (self.step % config.sample_interval == 0 or last) and self.dist.is_main:
-            record["sample"] = sample_text(self.model, self.tokenizer, config, self.device)
+        # A sharded model's forward needs every rank (each gathers the weights with the others), so all
+        # of them generate the sample: the same seeded generator gives the same text everywhere.
+        if (self.step % config.sample_interval == 0 or last) and (self.dist.is_main or self.sharded):
+            text = sample_text(self.model, self.tokenizer, config, self.device)
+            self._reshard()
+            if self.dist.is_main:
+                record["sample"] = text
         self.history.append(record)
         self.log.append(record)
 
@@ -186,15 +221,32 @@ class Trainer:
         """Validation loss, perplexity and bits per byte (the same on every process)."""
         # No activations are kept for a backward pass: a whole optimizer step's sequences fit at once.
         batch_size = self.config.batch_size * self.config.grad_accum
-        return evaluate(self.compiled, self.val_tokens, self.token_bytes, batch_size, self.device,
-                        self.config.torch_dtype, max_tokens, self.dist)
+        # Sharded, every rank must run every forward: each evaluates all windows (not every N-th, where
+        # the ranks may need different numbers of batches). evaluate then sums the N equal totals,
+        # which leaves the ratios (loss, bits per byte) as they are.
+        dist_info = distributed.DistInfo(device=self.device) if self.sharded else self.dist
+        metrics = evaluate(self.compiled, self.val_tokens, self.token_bytes, batch_size, self.device,
+                           self.compute_dtype, max_tokens, dist_info)
+        self._reshard()
+        return metrics
+
+    def _reshard(self) -> None:
+        """Free the gathered weights a forward outside training leaves behind: FSDP keeps the root's
+        (embeddings, head) gathered after a forward, since in training its backward comes next."""
+        if self.sharded:
+            self.model.reshard()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Everything a resumed run needs to continue exactly, gathered from every process."""
+        """Everything a resumed run needs to continue exactly, gathered from every process (unsharded)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer_step.optimizer.state_dict(),
+                **self.run_state()}
+
+    def run_state(self) -> dict:
+        """The state but the weights and the optimizer: step, float16 scaler, every rank's random and data state."""
         return {
-            "model": self.model.state_dict(),
-            **self.optimizer_step.state_dict(),  # the optimizer, the float16 scaler and the step
+            "scaler": self.optimizer_step.scaler.state_dict(),
+            "step": self.step,
             "rng": distributed.all_gather_objects(rng_state()),
             "batches": distributed.all_gather_objects(self.batches.state_dict()),
             "model_config": self.model.config.to_dict(),
@@ -204,22 +256,29 @@ class Trainer:
         }
 
     def save(self) -> None:
-        """Write checkpoint.pt (rank 0; the others wait so nobody runs ahead or exits mid-write)."""
-        state = self.state_dict()  # every process takes part in the gathers
-        if self.dist.is_main:
-            save_checkpoint(self.out_dir / CHECKPOINT_FILE, state)
-        distributed.barrier()
+        """Write the checkpoint: checkpoint.pt (rank 0; the others wait so nobody runs ahead or exits
+        mid-write), or with parallel="fsdp" the checkpoint/ folder, each rank writing its shards."""
+        if self.config.parallel == "fsdp":
+            save_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer, self.run_state(),
+                         self.dist.is_main)
+        else:
+            state = self.state_dict()  # every process takes part in the gathers
+            if self.dist.is_main:
+                save_checkpoint(self.checkpoint_path, state)
+            distributed.barrier()
         self.saved_step = self.step
 
     def load(self) -> None:
-        """Continue from checkpoint.pt: rank 0 reads it and hands it to every process."""
-        path = self.out_dir / CHECKPOINT_FILE
+        """Continue from the checkpoint: rank 0 reads checkpoint.pt (or checkpoint/meta.pt) and hands it to
+        every process; sharded weights and optimizer state are read by every process itself."""
+        if self.config.parallel == "fsdp":
+            return self._load_sharded()
         state = None
         if self.dist.is_main:
             try:
-                state = load_checkpoint(path, map_location="cpu")
+                state = load_checkpoint(self.checkpoint_path, map_location="cpu")
             except ValueError as err:
-                state = {"error": f"cannot resume: {err}"}
+                state = {"error": f"cannot resume: {err}{self._other_format_hint()}"}
         state = distributed.broadcast_object(state)  # no shared filesystem needed between nodes
         if "error" in state:
             raise ValueError(state["error"])
@@ -233,6 +292,68 @@ class Trainer:
         set_rng_state(state["rng"][self.dist.rank])
         self.saved_step = self.step
         self.log.truncate(self.step)
+
+    def _load_sharded(self) -> None:
+        """Continue from checkpoint/, written by this number of processes (exactly) or another one."""
+        meta = None
+        if self.dist.is_main:
+            try:
+                meta = read_meta(self.checkpoint_path)
+            except ValueError as err:
+                meta = {"error": f"cannot resume: {err}{self._other_format_hint()}"}
+        meta = distributed.broadcast_object(meta)
+        if "error" in meta:
+            raise ValueError(meta["error"])
+        check_model_config(meta["model_config"], self.model.config)
+        load_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer)  # weights: exact
+        self.optimizer_step.step = meta["step"]
+        if len(meta["batches"]) == self.dist.world_size:
+            self.batches.load_state_dict(meta["batches"][self.dist.rank])
+            set_rng_state(meta["rng"][self.dist.rank])
+        else:
+            self._reseed(len(meta["batches"]))
+        self.saved_step = self.step
+        self.log.truncate(self.step)
+
+    def _reseed(self, saved_world_size: int) -> None:
+        """New data streams and random state after a resume on another number of processes.
+
+        Each rank had its own stream of windows; N streams do not become M. The new ones are seeded
+        from (seed, step, world size): reproducible, and unlike the streams of step 0.
+        """
+        if self.dist.is_main:
+            warnings.warn(f"the checkpoint was written by {saved_world_size} process(es) and this run has "
+                          f"{self.dist.world_size}: weights and optimizer state continue exactly, the data "
+                          f"streams cannot (they start anew, seeded from the step)", stacklevel=4)
+        seed = int(np.random.SeedSequence([self.config.seed, self.step, self.dist.world_size]).generate_state(1)[0])
+        batches = self.batches
+        self.batches = RandomWindowBatches(batches.tokens, batches.batch_size, batches.context_length, seed=seed,
+                                           rank=self.dist.rank, world_size=self.dist.world_size)
+        torch.manual_seed(seed + self.dist.rank)
+
+    def _other_format_hint(self) -> str:
+        """Advice when the run folder holds the other kind of checkpoint (saved with the other --parallel)."""
+        sharded = self.config.parallel == "fsdp"
+        other = self.out_dir / (CHECKPOINT_FILE if sharded else SHARDED_CHECKPOINT_DIR)
+        if not other.exists():
+            return ""
+        return (f"; {self.out_dir} holds {other.name}{'' if sharded else '/'} instead, written with parallel="
+                f"{'ddp' if sharded else 'fsdp'}: resume with that setting")
+
+    def export(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write the weights as one ordinary model.safetensors (rank 0); every process must call it.
+
+        Sharded, the full weights are gathered to rank 0's CPU first (one tensor at a time on the
+        device, so a model larger than one device's memory still exports).
+        """
+        if self.sharded:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                              cpu_offload=True))
+        else:
+            state = self.model.state_dict()
+        if self.dist.is_main:
+            export_state_dict(state, self.model.config, path, self.tokenizer, dtype)
+        distributed.barrier()
 
     def finish(self) -> dict:
         """The summary (final validation metrics, speed, the last sample), also written to the run folder."""

@@ -1,0 +1,119 @@
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP): a folder, written by every rank.
+
+``checkpoint/`` holds DCP's files (each rank writes its own shards of the model and the optimizer
+state, plus one ``.metadata`` index of where every piece of every tensor lives) and ``meta.pt``,
+the small rest: step, random states and data positions of every rank, configs, tokenizer.
+
+The index describes whole (logical) tensors, not how they were cut: ``get_state_dict`` names every
+tensor by its parameter's name, sharded or not, and DCP's reader gives each rank the rows it needs.
+So a checkpoint written by 2 processes loads into 1 (an unsharded GPT) and the reverse.
+
+Atomic like ``checkpoint.pt``: all ranks write ``checkpoint.tmp-<step>/``; only after every rank
+finished does rank 0 move it into place (through ``checkpoint.old/`` for the moment between the
+two renames), so a crash mid-write leaves the last good checkpoint readable.
+"""
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from llmscratch import distributed
+
+__all__ = ["META_FILE", "load_sharded", "read_meta", "save_sharded", "sharded_checkpoint_path"]
+
+META_FILE = "meta.pt"
+SHARDED_FORMAT = "llmscratch-sharded-checkpoint"
+
+
+def _old(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".old")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: here that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def sharded_checkpoint_path(directory: str | os.PathLike) -> Path | None:
+    """The folder that holds the last complete checkpoint: ``directory``, or its ``.old`` copy when a
+    crash came between the two renames of a save; None when there is neither."""
+    directory = Path(directory)
+    for candidate in (directory, _old(directory)):
+        if (candidate / META_FILE).is_file():
+            return candidate
+    return None
+
+
+def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 meta: dict[str, Any], is_main: bool) -> None:
+    """Every rank: write the model and optimizer (sharded or not) and rank 0's ``meta`` into ``directory``."""
+    directory = Path(directory)
+    tmp = directory.with_name(f"{directory.name}.tmp-{meta['step']}")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)  # left by a save of this step that crashed
+    distributed.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # names -> (D)Tensors, no copies
+    with _quiet():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    if is_main:
+        torch.save({"format": SHARDED_FORMAT, **meta}, tmp / META_FILE)
+    distributed.barrier()  # every rank's shards are on disk
+    if is_main:
+        old = _old(directory)
+        if old.exists():
+            shutil.rmtree(old)
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in directory.parent.glob(f"{directory.name}.tmp-*"):  # of steps that crashed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+    distributed.barrier()
+
+
+def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta.pt`` of a sharded checkpoint, loaded without running pickled code; ValueError if wrong."""
+    found = sharded_checkpoint_path(directory)
+    if found is None:
+        raise ValueError(f"no sharded checkpoint at {directory} (expected a folder with {META_FILE} and DCP's "
+                         f"files, written by a run with --parallel fsdp)")
+    try:
+        meta = torch.load(found / META_FILE, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated or foreign files raise several types
+        raise ValueError(f"{found / META_FILE} is not readable ({type(err).__name__}: {err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+        raise ValueError(f"{found / META_FILE} is not an llmscratch sharded checkpoint")
+    if not (found / ".metadata").is_file():
+        raise ValueError(f"{found} has {META_FILE} but no DCP index (.metadata): the checkpoint is incomplete")
+    return meta
+
+
+def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank: fill ``model`` and ``optimizer`` (sharded or not, any number of ranks) from ``directory``."""
+    found = sharded_checkpoint_path(directory)
+    if found is None:
+        raise ValueError(f"no sharded checkpoint at {directory}")
+    # The current state is the template: its (D)Tensors say which rows each rank reads, in place.
+    # (An optimizer that has not stepped yet gets its state made first, by a step with lr 0.)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        with _quiet():
+            dcp.load(state, checkpoint_id=found)  # DCP's own reader: tensors and plain data, no pickled code
+    except Exception as err:  # missing keys, other shapes, damaged files; raised on every rank alike
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(f"the sharded checkpoint in {found} does not load into this model and optimizer "
+                         f"({reason})") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,0 +1,302 @@
+"""FSDP2 on CPU (gloo): two sharded processes train as one process with their joint batch; sharded
+checkpoints resume exactly, and across 2 -> 1 and 1 -> 2 processes; activation checkpointing changes nothing."""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from llmscratch import distributed
+from llmscratch.checkpoint import model_from_checkpoint
+from llmscratch.config import ConfigError, TrainConfig
+from llmscratch.data import RandomWindowBatches
+from llmscratch.distributed import DistInfo
+from llmscratch.model import GPT
+from llmscratch.parallel import checkpoint_activations, is_sharded, local_bytes
+from llmscratch.train import Trainer
+from processes import run, spawn
+from tiny_training import TEXT, losses, make_trainer, model_config, tokens
+from tolerances import assert_adamw_runs_agree
+
+ROOT = Path(__file__).resolve().parents[1]
+# A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
+SETTINGS = dict(batch_size=2, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,
+                checkpoint_interval=3, eval_tokens=128, final_eval_tokens=400, parallel="fsdp")
+STEPS = 6
+# The two designs: Llama-style with grouped-query attention (untied head), GPT-2-style (tied head).
+MODELS = {"llama": dict(tie_embeddings=False),
+          "gpt2": dict(norm="layernorm", mlp="gelu", position="learned", qkv_bias=True, bias=True,
+                       n_kv_heads=None, tie_embeddings=True)}
+
+
+def full_states(trainer: Trainer) -> tuple[dict, dict]:
+    """A copy of the whole (unsharded) weights and optimizer state, on rank 0 (empty on the others)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return copy.deepcopy((get_model_state_dict(trainer.model, options=options),  # (the step counts are live)
+                          get_optimizer_state_dict(trainer.model, trainer.optimizer_step.optimizer, options=options)))
+
+
+class StopAfter(Trainer):
+    """A Trainer that asks to stop after step ``stop_at`` (as SIGTERM would)."""
+
+    stop_at = 3
+
+    def _record(self, *args) -> None:
+        super()._record(*args)
+        if self.step == self.stop_at:
+            self.request_stop()
+
+
+def fsdp_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = train_sharded(DistInfo(rank=rank, local_rank=rank, world_size=world_size,
+                                        device=torch.device("cpu")), Path(out))
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        distributed.teardown()
+
+
+def train_sharded(info: DistInfo, out: Path) -> dict:
+    """Per design: a straight run, one stopped at step 3 and resumed, and a resume of a 1-process checkpoint."""
+    result = {}
+    for name, overrides in MODELS.items():
+        straight = make_trainer(out / name / "straight", overrides, info, max_steps=STEPS, **SETTINGS)
+        assert is_sharded(straight.model)
+        before = local_bytes(straight.model)
+        straight.fit(progress=False)
+        straight.export(out / name / "model.safetensors")
+        model_state, optimizer_state = full_states(straight)
+
+        stopped = make_trainer(out / name / "stopped", overrides, info, max_steps=STEPS, **SETTINGS)
+        stopped.__class__ = StopAfter
+        try:
+            stopped.fit(progress=False)
+        except Exception as err:  # TrainingStopped
+            assert type(err).__name__ == "TrainingStopped", err
+        resumed = make_trainer(out / name / "stopped", overrides, info, max_steps=STEPS, **SETTINGS)
+        resumed.fit(resume=True, progress=False)
+
+        from_one = make_trainer(out / name / "from_one", overrides, info, max_steps=5, **SETTINGS)
+        from_one.load()
+        loaded_model, loaded_optimizer = full_states(from_one)
+        from_one.fit(resume=True, progress=False)
+
+        result[name] = {
+            "losses": losses(straight), "grad_norms": [r["grad_norm"] for r in straight.history],
+            "val": straight.evaluate(400), "sample": straight.history[-1].get("sample"),
+            "model": model_state, "optimizer": optimizer_state,
+            "bytes_before": before, "bytes_after": local_bytes(straight.model, straight.optimizer_step.optimizer),
+            "tied": straight.model.lm_head.weight is straight.model.token_embedding.weight,
+            "stopped_losses": losses(stopped) + losses(resumed), "resumed_model": full_states(resumed)[0],
+            "from_one_model": loaded_model, "from_one_optimizer": loaded_optimizer,
+            "from_one_steps": [r["step"] for r in from_one.history],
+        }
+    # FSDP's bfloat16 policy (what runs on GPUs): the weights gathered as bfloat16, the shards stay float32.
+    mixed = make_trainer(out / "bfloat16", MODELS["llama"], info, max_steps=3, **{**SETTINGS, "dtype": "bfloat16"})
+    mixed.fit(progress=False)
+    result["bfloat16"] = {"losses": losses(mixed), "dtypes": {p.dtype for p in mixed.model.parameters()}}
+    return result
+
+
+class JointBatches:
+    """What the two processes see together: rank 0's micro-batch, then rank 1's, as one batch."""
+
+    def __init__(self, train: np.ndarray):
+        self.streams = [RandomWindowBatches(train, 2, 16, seed=0, rank=r, world_size=2) for r in range(2)]
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [next(stream) for stream in self.streams]  # (2, 16) inputs and targets each
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
+
+
+def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """The optimizer state's tensors by "param.key" (a state dict keyed by names, as DCP's helpers give)."""
+    return {f"{name}.{key}": value for name, entries in state["state"].items()
+            for key, value in entries.items()}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Both designs trained by 2 FSDP processes; first a 1-process run writes the checkpoint they resume."""
+    out = tmp_path_factory.mktemp("fsdp")
+    for name, overrides in MODELS.items():  # one process, parallel="fsdp": the same format, unsharded
+        one = make_trainer(out / name / "from_one", overrides, max_steps=3, **SETTINGS)
+        one.fit(progress=False)
+        assert not is_sharded(one.model) and (out / name / "from_one" / "checkpoint" / "meta.pt").is_file()
+        torch.save({"model": one.model.state_dict(), "optimizer": get_optimizer_state_dict(
+            one.model, one.optimizer_step.optimizer)}, out / name / "one.pt")  # (saved: a copy)
+    spawn(fsdp_worker, (2, str(out / "store"), str(out)), nprocs=2, timeout=400)
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fsdp_matches_one_process_with_the_same_global_batch(sharded_runs, name):
+    out, ranks = sharded_runs
+    result = ranks[0][name]
+    single = make_trainer(out / name / "single", MODELS[name], max_steps=STEPS, **{**SETTINGS, "batch_size": 4})
+    single.batches = JointBatches(tokens()[0])
+    steps = [single.train_step() for _ in range(STEPS)]
+    # Gradients are equal in exact arithmetic but summed in another order: float32 rounding (tolerances.py).
+    assert_adamw_runs_agree(result["model"], single.model.state_dict(), lr=SETTINGS["lr"], steps=STEPS)
+    assert result["losses"] == pytest.approx([loss for loss, _ in steps], abs=1e-5)
+    # clip_grad_norm_ over DTensor gradients: the global norm, as one process computes it.
+    assert result["grad_norms"] == pytest.approx([norm for _, norm in steps], rel=1e-5)
+    assert result["val"] == pytest.approx(single.evaluate(400), rel=1e-6)
+    assert ranks[1][name]["losses"] == result["losses"]  # every rank logs the global loss
+    assert result["sample"] and ranks[1][name]["sample"] is None  # all ranks generate, rank 0 records
+    assert result["tied"] == MODELS[name]["tie_embeddings"]
+    # model.safetensors: one ordinary file with the full weights.
+    exported = model_from_checkpoint(out / name / "model.safetensors").state_dict()
+    assert exported.keys() == result["model"].keys()
+    assert all(torch.equal(exported[k], result["model"][k]) for k in exported)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_bfloat16_policy_trains_close_to_float32(sharded_runs):
+    _, ranks = sharded_runs
+    mixed = ranks[0]["bfloat16"]
+    assert mixed["dtypes"] == {torch.float32}  # what AdamW updates
+    # bfloat16 keeps 8 bits of mantissa: a loss of ~5.7 is rounded by up to ~0.02 in each matmul's output.
+    assert mixed["losses"] == pytest.approx(ranks[0]["llama"]["losses"][:3], abs=0.05)
+
+
+@pytest.mark.timeout(900)
+def test_torchrun_runs_the_script_with_fsdp_and_resumes(tmp_path):
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "ch04-pretraining" / "pretrain.py"), "--data", str(tmp_path / "text.txt"),
+               "--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--batch-size", "2",
+               "--out-dir", str(tmp_path / "run"), "--eval-tokens", "128", "--final-eval-tokens", "256",
+               "--peak-tflops", "1", "--no-progress", "--device", "cpu", "--parallel", "fsdp",
+               "--activation-checkpointing"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = run([*command, "--max-steps", "3"], env=env, timeout=400)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "(fsdp: sharded)" in first.stdout and (tmp_path / "run" / "checkpoint" / ".metadata").is_file()
+    second = run([*command, "--max-steps", "5", "--resume"], env=env, timeout=400)
+    assert second.returncode == 0, second.stdout + second.stderr
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    assert model_from_checkpoint(tmp_path / "run" / "model.safetensors").num_params() > 0  # one ordinary file
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_rank_holds_about_half_of_the_parameters_and_optimizer_state(sharded_runs, name):
+    _, ranks = sharded_runs
+    torch.manual_seed(0)
+    model = GPT(model_config(**MODELS[name]))
+    total = local_bytes(model)["parameters"]  # a tied matrix once
+    for key, whole in (("parameters", total), ("optimizer", 2 * total)):  # AdamW: two moments per weight
+        shards = [ranks[r][name]["bytes_after"][key] for r in range(2)]
+        assert sum(shards) == whole  # rows split between the ranks, none twice
+        # Not exactly half: a matrix of an odd number of rows leaves rank 1 one row fewer.
+        assert all(abs(shard - whole / 2) <= 0.05 * whole for shard in shards), shards
+    assert ranks[0][name]["bytes_before"]["parameters"] == ranks[0][name]["bytes_after"]["parameters"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sharded_checkpoints_resume_exactly_and_across_process_counts(sharded_runs, name):
+    out, ranks = sharded_runs
+    result = ranks[0][name]
+    # Stopped at step 3 (a checkpoint of it) and resumed: the same losses and weights, bit for bit.
+    assert result["stopped_losses"] == result["losses"]
+    assert all(torch.equal(result["resumed_model"][k], v) for k, v in result["model"].items())
+
+    # 1 -> 2: what two processes loaded is exactly what one process saved.
+    one = torch.load(out / name / "one.pt", weights_only=True)
+    assert all(torch.equal(result["from_one_model"][k], v) for k, v in one["model"].items())
+    saved, loaded = optimizer_tensors(one["optimizer"]), optimizer_tensors(result["from_one_optimizer"])
+    assert saved.keys() == loaded.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert result["from_one_steps"] == [4, 5]  # and training went on
+
+    # 2 -> 1: one unsharded process loads the 2-process checkpoint of step 6 and trains on.
+    folder = out / name / "two_to_one"
+    shutil.copytree(out / name / "straight", folder)
+    alone = make_trainer(folder, MODELS[name], max_steps=8, **SETTINGS)
+    with pytest.warns(UserWarning, match="written by 2 process"):
+        alone.load()
+    assert alone.step == STEPS
+    assert all(torch.equal(alone.model.state_dict()[k], v) for k, v in result["model"].items())
+    reloaded = optimizer_tensors(copy.deepcopy(get_optimizer_state_dict(alone.model, alone.optimizer_step.optimizer)))
+    expected = optimizer_tensors(result["optimizer"])
+    assert reloaded.keys() == expected.keys() and all(torch.equal(reloaded[k], expected[k]) for k in expected)
+    with pytest.warns(UserWarning, match="data streams"):
+        alone.fit(resume=True, progress=False)
+    assert [r["step"] for r in alone.history] == [7, 8]
+
+
+def test_a_wrong_or_missing_sharded_checkpoint_is_a_clear_error(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2, **SETTINGS)
+    with pytest.raises(ValueError, match="no sharded checkpoint at"):
+        trainer.fit(resume=True, progress=False)
+    make_trainer(tmp_path, max_steps=2, **{**SETTINGS, "parallel": "ddp"}).fit(progress=False)  # checkpoint.pt
+    with pytest.raises(ValueError, match="holds checkpoint.pt instead.*parallel=ddp"):
+        make_trainer(tmp_path, max_steps=3, **SETTINGS).fit(resume=True, progress=False)
+    make_trainer(tmp_path / "b", max_steps=2, **SETTINGS).fit(progress=False)
+    other = make_trainer(tmp_path / "b", {"n_layers": 3}, max_steps=3, **SETTINGS)
+    with pytest.raises(ValueError, match="n_layers"):
+        other.fit(resume=True, progress=False)
+    (tmp_path / "b" / "checkpoint" / "meta.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="meta.pt is not readable"):
+        make_trainer(tmp_path / "b", max_steps=3, **SETTINGS).fit(resume=True, progress=False)
+
+
+def test_a_save_that_crashed_midway_leaves_the_last_checkpoint(tmp_path):
+    first = make_trainer(tmp_path, max_steps=2, **SETTINGS)
+    first.fit(progress=False)
+    state = first.model.state_dict()
+    (tmp_path / "checkpoint.tmp-3").mkdir()  # a save of step 3 killed before it finished
+    (tmp_path / "checkpoint.tmp-3" / "__0_0.distcp").write_bytes(b"half")
+    resumed = make_trainer(tmp_path, max_steps=3, **SETTINGS)
+    resumed.load()
+    assert all(torch.equal(resumed.model.state_dict()[k], v) for k, v in state.items())
+    resumed.fit(resume=True, progress=False)
+    assert not (tmp_path / "checkpoint.tmp-3").exists()  # the next save of step 3 replaced it
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(dropout):
+    def loss_and_grads(checkpointed: bool):
+        torch.manual_seed(0)
+        model = GPT(model_config(dropout=dropout))
+        if checkpointed:
+            checkpoint_activations(model)
+        x = torch.randint(0, 320, (2, 16))
+        loss = model(x, targets=x.roll(-1, 1))
+        loss.backward()
+        return loss, {name: p.grad for name, p in model.named_parameters()}
+
+    plain_loss, plain = loss_and_grads(False)
+    loss, grads = loss_and_grads(True)
+    # The recomputation runs the same kernels on the same inputs (and the same dropout masks): float32 equal.
+    assert torch.equal(loss, plain_loss)
+    for name in plain:
+        torch.testing.assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_parallel_settings_are_refused_before_training():
+    with pytest.raises(ConfigError, match=r"parallel must be one of \['ddp', 'fsdp'\], got 'zero'"):
+        TrainConfig(parallel="zero")
+    with pytest.raises(ConfigError, match="cannot be fsdp with compile"):
+        TrainConfig(parallel="fsdp", compile=True)
+    with pytest.raises(ConfigError, match="cannot be fsdp with dtype float16"):
+        TrainConfig(parallel="fsdp", dtype="float16")
+    for flags, message in ((["--parallel", "fsdp", "--compile"], "--parallel cannot be fsdp with compile"),
+                           (["--parallel", "tp"], "invalid choice: 'tp'")):
+        done = subprocess.run([sys.executable, str(ROOT / "ch04-pretraining" / "pretrain.py"), "--device", "cpu",
+                               *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
