@@ -5,9 +5,10 @@
     python ch04-pretraining/pretrain.py --resume               # continue runs/pretrain from its last checkpoint
     torchrun --nproc_per_node=8 ch04-pretraining/pretrain.py --data tokens/ --tokenizer gpt2 --preset llama-small
 
-Under torchrun, --parallel fsdp gives each process a shard of the model (llmscratch.parallel).
+Under torchrun, --parallel fsdp gives each process a shard of the model, --parallel tp a slice of every
+block's heads and MLP, --parallel fsdp+tp --tp N both (llmscratch.parallel).
 The run folder (--out-dir) receives checkpoint.pt (to resume; a checkpoint/ folder with --parallel
-fsdp), model.safetensors (weights, config and tokenizer, for finetuning), tokenizer.json,
+fsdp, tp or fsdp+tp), model.safetensors (weights, config and tokenizer, for finetuning), tokenizer.json,
 metrics.jsonl, loss.png, summary.json and sample.txt.
 """
 
@@ -32,6 +33,7 @@ from llmscratch.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.cli import HelpFormatter, add_flags, build_config, finite_float, refuse
 from llmscratch.data import load_token_meta, load_token_split
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
+from llmscratch.memory import check_mesh
 from llmscratch.model import GPT, PRESETS, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
 from llmscratch.sharded_checkpoint import read_meta, sharded_checkpoint_path
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
                         "on older GPUs, float32 on CPU")
-    add_flags(t, DEFAULTS, "compile", "parallel", "activation_checkpointing")
+    add_flags(t, DEFAULTS, "compile", "parallel", "tp", "activation_checkpointing")
     t.add_argument("--device", default="auto",
                    help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK")
     add_flags(t, DEFAULTS, "seed")
@@ -153,7 +155,8 @@ def read_run_flags(out_dir: Path) -> dict:
 
 
 def run_checkpoint(out_dir: Path) -> Path | None:
-    """The run's checkpoint: checkpoint.pt, or the checkpoint/ folder of a --parallel fsdp run (None: neither)."""
+    """The run's checkpoint: checkpoint.pt, or the checkpoint/ folder of a sharded (--parallel fsdp, tp,
+    fsdp+tp) run (None: neither)."""
     if (out_dir / CHECKPOINT_FILE).exists():
         return out_dir / CHECKPOINT_FILE
     return sharded_checkpoint_path(out_dir / SHARDED_CHECKPOINT_DIR)  # or its .old copy after a crash
@@ -312,6 +315,12 @@ def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[
     return model_config_for(args, vocab_size), train_config_for(args, device)
 
 
+def mesh_of(model_config: GPTConfig, train_config: TrainConfig, dist: distributed.DistInfo) -> tuple[int, int]:
+    """(dp, tp): data-parallel replicas and tensor-parallel group size; ValueError naming what does not divide."""
+    tp = dist.world_size if train_config.parallel == "tp" else train_config.tp
+    return check_mesh(model_config, train_config.parallel, dist.world_size, tp)
+
+
 def run_flags(args) -> dict:
     """The flags to record (run.json, and a copy in the checkpoint) as plain JSON data."""
     flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
@@ -351,6 +360,7 @@ def run(argv: list[str] | None, dist: distributed.DistInfo, start: float) -> int
     try:
         tokenizer, train, val, described = load_data(args, dist)
         model_config, train_config = build_configs(args, tokenizer, dist.device)
+        mesh_of(model_config, train_config, dist)  # a mesh that does not divide the model: refused here
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -363,7 +373,7 @@ def run(argv: list[str] | None, dist: distributed.DistInfo, start: float) -> int
         f"{result['tokens_seen'] / 1e6:.2f}M tokens "
         f"| val loss {result['val_loss']:.3f} nats/token, perplexity {result['val_perplexity']:.1f}, "
         f"{result['val_bits_per_byte']:.3f} bits per byte | {args.out_dir}/: "
-        f"{SHARDED_CHECKPOINT_DIR + '/' if args.parallel == 'fsdp' else CHECKPOINT_FILE}, model.safetensors, "
+        f"{SHARDED_CHECKPOINT_DIR + '/' if args.parallel != 'ddp' else CHECKPOINT_FILE}, model.safetensors, "
         f"loss.png, metrics.jsonl, summary.json, sample.txt")
     return 0
 
@@ -378,11 +388,12 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
         remove_stale_temporaries(args.out_dir / CHECKPOINT_FILE)  # left by a process killed mid-save
     torch.manual_seed(args.seed)  # the same initial weights on every process
     model = GPT(model_config)
+    dp, _ = mesh_of(model_config, train_config, dist)
     say(f"model: {args.preset}, {model.num_params():,} parameters, context {model_config.context_length}, "
         f"vocabulary {model_config.vocab_size:,} | {dist.world_size} process(es) on {dist.device.type}"
-        f"{' (fsdp: sharded)' if train_config.parallel == 'fsdp' and dist.enabled else ''}, "
+        f"{f' ({train_config.parallel}: sharded)' if train_config.parallel != 'ddp' and dist.enabled else ''}, "
         f"{train_config.dtype}{', compiled' if train_config.compile else ''}, "
-        f"{train_config.batch_size * train_config.grad_accum * dist.world_size * model_config.context_length:,} "
+        f"{train_config.batch_size * train_config.grad_accum * dp * model_config.context_length:,} "
         f"tokens per step")
     flags = run_flags(args)
     trainer = Trainer(model, train_config, train, val, args.out_dir, tokenizer, dist,

@@ -18,8 +18,8 @@ from llmscratch.lora import LoRAConfig
 
 __all__ = ["ConfigError", "FinetuneConfig", "PARALLEL", "TRAINABLE", "TrainConfig", "setting"]
 
-# How several processes share the model (llmscratch.parallel); "tp" and "fsdp+tp" are to come.
-PARALLEL = ("ddp", "fsdp")
+# How several processes share the model (llmscratch.parallel).
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")
 
 Check = Callable[[Any], str | None]  # the problem with a value ("must be ..."), or None when it is fine
 
@@ -111,8 +111,13 @@ class TrainConfig:
     compile: bool = setting(False, "run the model through torch.compile")
     parallel: str = setting("ddp", "how several processes (torchrun) share the model: ddp keeps a whole copy on "
                                    "each, fsdp shards weights, gradients and AdamW state across them (and saves "
-                                   "a sharded checkpoint/ folder); one process trains the same either way",
-                            choices=PARALLEL)
+                                   "a sharded checkpoint/ folder), tp splits every block's heads and MLP across "
+                                   "all of them (each sees the same batch), fsdp+tp splits them across groups of "
+                                   "--tp processes and shards that over the groups; one process trains the same "
+                                   "either way", choices=PARALLEL)
+    tp: int = setting(1, "tensor-parallel group size with --parallel fsdp+tp (it must divide the number of "
+                         "processes, the heads, the key/value heads and d_ff); --parallel tp uses all processes",
+                      positive_int)
     activation_checkpointing: bool = setting(False, "recompute each block's activations in backward instead of "
                                                     "storing them (less memory, about 1/3 more compute); "
                                                     "also on one process")
@@ -127,12 +132,18 @@ class TrainConfig:
             raise ConfigError("min_lr", f"must be at most lr={self.lr}", self.min_lr)
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
-        if self.parallel == "fsdp" and self.compile:
-            raise ConfigError("parallel", "cannot be fsdp with compile (not supported here yet): drop one of them",
-                              self.parallel)
+        if self.parallel != "ddp" and self.compile:
+            raise ConfigError("parallel", f"cannot be {self.parallel} with compile (not supported here yet): drop "
+                                          f"one of them", self.parallel)
         if self.parallel == "fsdp" and self.dtype == "float16":
             raise ConfigError("parallel", "cannot be fsdp with dtype float16 (its gradient scaler does not "
                                           "handle sharded gradients): use bfloat16 or float32", self.parallel)
+        if self.parallel in ("tp", "fsdp+tp") and self.dtype != "float32":
+            raise ConfigError("parallel", f"cannot be {self.parallel} with dtype {self.dtype} (tensor parallelism "
+                                          f"trains in float32 here): use float32", self.parallel)
+        if self.tp != 1 and self.parallel != "fsdp+tp":
+            raise ConfigError("tp", f"is the group size of --parallel fsdp+tp and must be 1 with parallel="
+                                    f"{self.parallel} (tp uses every process)", self.tp)
 
     @property
     def torch_dtype(self) -> torch.dtype:

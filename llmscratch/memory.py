@@ -17,8 +17,10 @@ What each GPU holds (N GPUs, a mesh of dp x tp = N):
   proj/down by columns, Megatron-style), embeddings, norms and the row-split layers' biases replicated;
   activations inside attention and the MLP split, the residual stream not. Replicated over dp = N / tp.
 - fsdp+tp: the tp shards, each split again over dp by FSDP.
-Tensor parallelism is not in the package yet: its formulas are checked on paper (shapes divided by tp) only;
-the fsdp and ddp numbers are checked against the local tensors of real runs (tests/test_memory.py).
+Parameter, gradient and optimizer numbers are checked against the local tensors of real runs: ddp and fsdp in
+tests/test_memory.py, tp in tests/test_tensor_parallel.py (parameters). The tp activations and the
+activation-checkpointing formula are checked on paper only (under tp the Trainer's loss also keeps the full
+logits, which this estimate does not count).
 """
 
 import argparse

@@ -251,13 +251,17 @@ class GPT(nn.Module):
                              f"ids made by another tokenizer?") from None
 
     def make_kv_caches(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:
-        """One empty cache per block, on this model's device and in its dtype."""
+        """One empty cache per block, on this model's device and in its dtype.
+
+        Each holds the key/value heads its block computes: all of them, or this rank's share under
+        tensor parallelism (``llmscratch.parallel.apply_tp``).
+        """
         max_seq_len = self.config.context_length if max_seq_len is None else max_seq_len
         weight = self.token_embedding.weight
         return [
-            KVCache(batch_size, max_seq_len, self.config.kv_heads, self.config.head_dim,
+            KVCache(batch_size, max_seq_len, block.attn.n_kv_heads, self.config.head_dim,
                     device=weight.device, dtype=weight.dtype)
-            for _ in self.blocks
+            for block in self.blocks
         ]
 
     def num_params(self, include_embeddings: bool = True) -> int:

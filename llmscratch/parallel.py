@@ -1,4 +1,4 @@
-"""Sharded data parallel (FSDP2): each process keeps 1/N of the weights, gradients and AdamW state.
+"""Sharded data parallel (FSDP2) and tensor parallelism (TP): each process keeps a part of the model.
 
 Under DDP every one of N processes holds the whole model: all parameters, all gradients and both
 AdamW moments (16 bytes per float32 parameter). ``apply_fsdp`` turns each parameter into a
@@ -15,6 +15,12 @@ them are about 1/N per process. What happens in a step:
 Every rank must run every forward (the gathers are collectives), so evaluation and sampling run on
 all ranks. Sharding one ``Block`` at a time bounds what is unsharded at once to about one block;
 the root (embeddings, final norm, the output head, tied to the embedding or not) is one more unit.
+
+Tensor parallelism (``apply_tp``, Megatron's split) cuts every block's matrices instead: each of tp
+ranks computes its n_heads/tp query heads (n_kv_heads/tp key/value heads) and d_ff/tp of the MLP on
+the whole batch, and one all-reduce after attention and one after the MLP sum the ranks' parts. The
+ranks of a tp group read the same batches; ``fsdp+tp`` (a dp x tp mesh) shards those tp shards again
+over dp with FSDP, as torchtitan does.
 """
 
 import contextlib
@@ -22,15 +28,22 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 from llmscratch.model import GPT
 
-__all__ = ["GradientSync", "apply_fsdp", "checkpoint_activations", "is_sharded", "local_bytes"]
+__all__ = ["GradientSync", "LogitsLoss", "SplitQKV", "apply_fsdp", "apply_tp", "checkpoint_activations",
+           "fused_qkv_state", "is_sharded", "local_bytes", "split_qkv_state"]
 
 
 def apply_fsdp(model: GPT, mesh: DeviceMesh | None, mixed_precision: bool = False) -> GPT:
@@ -48,6 +61,137 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh | None, mixed_precision: bool = Fals
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+class SplitQKV(nn.Module):
+    """The fused ``qkv`` Linear as three Linears q, k, v: the output is the same [q | k | v] concatenation.
+
+    Tensor parallelism splits a Linear's output rows into tp contiguous chunks. On the fused matrix
+    rank 0 would get all of q and none of k; split one by one, q, k and v each give rank r its own
+    n_heads/tp query heads and n_kv_heads/tp key/value heads, whole GQA groups (query head h reads
+    kv head h // group, and both ranges start at r/tp of their heads). ``fused_qkv_state`` turns
+    the three back into the ordinary ``qkv.weight`` (and bias) for export, ``split_qkv_state`` cuts
+    it again. (Permuting the fused rows to [q_r | k_r | v_r] per rank instead would keep one matrix,
+    but a checkpoint would then hold the permuted matrix under the ordinary name: wrong, silently,
+    for any reader that does not undo the permutation.)
+    """
+
+    def __init__(self, qkv: nn.Linear, sizes: tuple[int, int, int]):
+        super().__init__()
+        bias = qkv.bias is not None
+        for name, weight, b in zip("qkv", qkv.weight.detach().split(sizes),
+                                   qkv.bias.detach().split(sizes) if bias else (None,) * 3):
+            linear = nn.Linear(qkv.in_features, weight.size(0), bias=bias, device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+                if bias:
+                    linear.bias.copy_(b)
+            setattr(self, name, linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)  # (B, T, local q + k + v rows)
+
+
+def apply_tp(model: GPT, mesh: DeviceMesh) -> GPT:
+    """Split each block's attention heads and MLP across the ranks of the 1-D ``mesh`` (Megatron-style).
+
+    Column-wise (output rows split; the input is the whole residual stream): q, k, v, and the MLP's
+    fc / gate / up. Row-wise (input columns split; the outputs are summed by an all-reduce): out_proj
+    and proj / down, whose biases stay whole. Embeddings, norms and the output head stay whole on
+    every rank (replicated DTensors, ``_replicate``): the residual stream is whole on every rank, so
+    are their gradients. Each rank then computes n_heads/tp query heads and n_kv_heads/tp key/value heads, so
+    the attention module is given its local head counts. The sizes must divide (``memory.check_mesh``).
+    """
+    tp = mesh.size()
+    mlp = {"fc": ColwiseParallel(), "proj": RowwiseParallel()} if model.config.mlp == "gelu" else \
+        {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    plan = {"attn.qkv.q": ColwiseParallel(), "attn.qkv.k": ColwiseParallel(), "attn.qkv.v": ColwiseParallel(),
+            "attn.out_proj": RowwiseParallel(), **{f"mlp.{name}": style for name, style in mlp.items()}}
+    for block in model.blocks:
+        attn = block.attn
+        attn.qkv = SplitQKV(attn.qkv, attn.qkv_sizes)
+        parallelize_module(block, mesh, plan)
+        attn.n_heads, attn.n_kv_heads, attn.d_out = attn.n_heads // tp, attn.n_kv_heads // tp, attn.d_out // tp
+        attn.qkv_sizes = tuple(size // tp for size in attn.qkv_sizes)
+        for norm in (block.attn_norm, block.mlp_norm):
+            _replicate(norm, mesh)
+    for module in (model.token_embedding, model.position_embedding, model.final_norm, model.lm_head):
+        if module is not None:
+            _replicate(module, mesh)
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.token_embedding.weight
+    return model
+
+
+class LogitsLoss(nn.Module):
+    """``model(idx, targets=...)`` of a tensor-parallel GPT: cross-entropy of its whole (B, T, V) logits.
+
+    The GPT's own loss (``llmscratch.losses``) reads the head's weight as a plain tensor, which a
+    replicated DTensor is not; this one goes through the head as a module. Same mean (ignore -100),
+    but the (B, T, V) logits are stored for backward: more activation memory than the chunked loss.
+    """
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    @property
+    def config(self):
+        return self.model.config  # what evaluation reads (the context length)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(idx)  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)  # ()
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make ``module``'s parameters DTensors replicated over ``mesh``, its inputs and outputs staying plain.
+
+    Every parameter is then a DTensor, as gradient clipping and AdamW's foreach kernels need (they
+    refuse a mix of DTensors and tensors); each rank keeps the whole tensor and computes the same
+    gradient for it, so no communication is added.
+    """
+    def inputs(module, args, mesh):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if isinstance(a, torch.Tensor)
+                     else a for a in args)
+
+    def output(module, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, mesh, input_fn=inputs, output_fn=output)
+
+
+def fused_qkv_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict of an ``apply_tp`` model with each ``qkv.{q,k,v}.*`` trio fused into ``qkv.*``.
+
+    Also for per-parameter optimizer tensors (AdamW's moments); a 0-dim one (AdamW's step count,
+    the same for all three) is q's.
+    """
+    fused = {}
+    for name, tensor in state.items():
+        prefix, _, rest = name.rpartition(".qkv.")
+        part, _, kind = rest.partition(".")  # q, k or v; weight or bias
+        if not prefix or part not in ("q", "k", "v"):
+            fused[name] = tensor
+        elif part == "q":
+            trio = [state[f"{prefix}.qkv.{p}.{kind}"] for p in "qkv"]
+            fused[f"{prefix}.qkv.{kind}"] = torch.cat(trio) if tensor.dim() else tensor
+    return fused
+
+
+def split_qkv_state(state: dict[str, torch.Tensor], sizes: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """The inverse of ``fused_qkv_state``: each whole ``qkv.*`` cut into q, k, v of ``sizes`` rows."""
+    split = {}
+    for name, tensor in state.items():
+        prefix, _, kind = name.rpartition(".qkv.")
+        if prefix and kind in ("weight", "bias"):
+            parts = tensor.split(sizes) if tensor.dim() else (tensor,) * 3
+            split.update({f"{prefix}.qkv.{p}.{kind}": part for p, part in zip("qkv", parts)})
+        else:
+            split[name] = tensor
+    return split
 
 
 def checkpoint_activations(model: GPT) -> GPT:

@@ -1,14 +1,16 @@
-"""Pretraining: the run around the optimizer step: data, evaluation, samples, checkpoints, DDP or FSDP.
+"""Pretraining: the run around the optimizer step: data, evaluation, samples, checkpoints, DDP, FSDP or TP.
 
 ``Trainer(model, config, train_tokens, val_tokens, out_dir, tokenizer).fit()`` runs the same
 on a laptop CPU and, launched by ``torchrun``, on many GPUs (``config.parallel``: each process a
-whole copy under DDP, a shard under FSDP, see ``llmscratch.parallel``). The step itself (AdamW,
+whole copy under DDP, a shard under FSDP, a slice of every block's heads and MLP under tensor
+parallelism, see ``llmscratch.parallel``). The step itself (AdamW,
 schedule, accumulation, mixed precision) is ``llmscratch.optim``; the run folder
-(``llmscratch.runlog``) gets ``checkpoint.pt`` (``checkpoint/`` with parallel="fsdp"),
+(``llmscratch.runlog``) gets ``checkpoint.pt`` (``checkpoint/`` with any parallel but "ddp"),
 ``metrics.jsonl``, ``loss.png``, ``summary.json`` and ``sample.txt``.
 """
 
 import dataclasses
+import functools
 import inspect
 import time
 import warnings
@@ -17,29 +19,62 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from llmscratch import distributed
-from llmscratch.checkpoint import (check_model_config, export_state_dict, load_checkpoint, load_model_state,
-                                   rng_state, save_checkpoint, set_rng_state)
+from llmscratch.checkpoint import (
+    check_model_config,
+    export_state_dict,
+    load_checkpoint,
+    load_model_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from llmscratch.config import TrainConfig
 from llmscratch.data import RandomWindowBatches
 from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.flops import peak_flops
+from llmscratch.memory import check_mesh
 from llmscratch.model import GPT
-from llmscratch.optim import OptimizerStep, TrainingDiverged, configure_optimizer, learning_rate
-from llmscratch.parallel import GradientSync, apply_fsdp, checkpoint_activations
+from llmscratch.optim import (
+    OptimizerStep,
+    TrainingDiverged,
+    configure_optimizer,
+    learning_rate,
+)
+from llmscratch.parallel import (
+    GradientSync,
+    LogitsLoss,
+    apply_fsdp,
+    apply_tp,
+    checkpoint_activations,
+    fused_qkv_state,
+    split_qkv_state,
+)
 from llmscratch.runlog import RunLog, sample_text
-from llmscratch.sharded_checkpoint import load_sharded, read_meta, save_sharded
+from llmscratch.sharded_checkpoint import (
+    load_sharded,
+    read_meta,
+    save_sharded,
+    sharded_checkpoint_path,
+)
 from llmscratch.tokenizer import BPETokenizer
 
 # The training API in one import: the config, the step's schedule and optimizer, and the run.
 __all__ = ["TrainConfig", "Trainer", "TrainingDiverged", "TrainingStopped", "configure_optimizer", "learning_rate"]
 
 CHECKPOINT_FILE = "checkpoint.pt"
-SHARDED_CHECKPOINT_DIR = "checkpoint"  # with parallel="fsdp": a folder of DCP shards (llmscratch.sharded_checkpoint)
+SHARDED_CHECKPOINT_DIR = "checkpoint"  # with parallel != "ddp": a folder of DCP shards (llmscratch.sharded_checkpoint)
 # DDP need not re-send buffers before each forward: the only ones (RoPE tables) are the same on every
 # process by construction. Newer torch names the option forward_sync_buffers, older broadcast_buffers.
 _NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
@@ -79,23 +114,37 @@ class Trainer:
         self.tokenizer = tokenizer
         self.val_tokens = val_tokens
         self.run_info = run_info or {}  # saved in the checkpoint as it is (e.g. the script's flags)
+        # The mesh (dp, tp) is checked before anything is built: tp must divide the processes, heads and d_ff.
+        tp = dist_info.world_size if config.parallel == "tp" else config.tp
+        self.dp, self.tp = check_mesh(model.config, config.parallel, dist_info.world_size, tp)
+        self.dp_rank = dist_info.rank // self.tp  # the ranks of one tp group see the same batches
         self.model = model.to(self.device)
         if config.activation_checkpointing:
             checkpoint_activations(self.model)
-        # FSDP shards only across several processes; one process trains as under DDP (but saves checkpoint/).
-        self.sharded = config.parallel == "fsdp" and dist_info.enabled
+        # Sharded (FSDP and/or TP) only across several processes; one process trains as under DDP (but saves
+        # checkpoint/). Every rank of a sharded model must run every forward (they compute it together).
+        self.sharded = config.parallel != "ddp" and dist_info.enabled
+        self.fsdp = config.parallel in ("fsdp", "fsdp+tp") and dist_info.enabled
         # bfloat16 under FSDP: its policy casts the gathered weights (llmscratch.parallel), so no autocast.
         self.compute_dtype = torch.float32 if self.sharded else config.torch_dtype
         if self.sharded:
-            apply_fsdp(self.model, init_device_mesh(self.device.type, (dist_info.world_size,)),
-                       mixed_precision=config.dtype == "bfloat16")
+            if self.tp == 1:
+                dp_mesh = init_device_mesh(self.device.type, (self.dp,))
+            else:
+                mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+                apply_tp(self.model, mesh["tp"])  # first, as torchtitan does: FSDP then shards the tp shards
+                dp_mesh = mesh["dp"]
+            if self.fsdp:
+                apply_fsdp(self.model, dp_mesh, mixed_precision=config.dtype == "bfloat16")
         # Compile first, then wrap (as nanoGPT does): DDP's no_sync and hooks stay plain Python.
         self.compiled: nn.Module = torch.compile(self.model) if config.compile else self.model
+        if self.sharded and self.tp > 1:  # the GPT's own loss reads the head's weight as a plain tensor
+            self.compiled = LogitsLoss(self.model)
         self.wrapped: nn.Module = self.compiled
         self.grad_sync = None  # what holds gradients back between micro-steps: DDP, or FSDP's switch
-        if self.sharded:
+        if self.fsdp:
             self.grad_sync = GradientSync(self.model)
-        elif dist_info.enabled:
+        elif dist_info.enabled and not self.sharded:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = self.grad_sync = nn.parallel.DistributedDataParallel(
                 self.compiled, device_ids=device_ids, **_NO_BUFFER_SYNC)
@@ -105,9 +154,9 @@ class Trainer:
         self.optimizer_step = OptimizerStep(self.model, step_config, self.device, advice=(
             f"training stopped. The last good checkpoint (if any) is kept in {self.checkpoint_path}"))
         self.batches = RandomWindowBatches(train_tokens, config.batch_size, model.config.context_length,
-                                           seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size)
+                                           seed=config.seed, rank=self.dp_rank, world_size=self.dp)
         self.token_bytes = token_byte_lengths(tokenizer, model.config.vocab_size)
-        sequences_per_step = config.batch_size * config.grad_accum * dist_info.world_size
+        sequences_per_step = config.batch_size * config.grad_accum * self.dp
         self.tokens_per_step = sequences_per_step * model.config.context_length
         peak = peak_flops(self.device, config.torch_dtype, config.peak_tflops)
         self.peak_flops_all = None if peak is None else peak * dist_info.world_size  # every process counts
@@ -120,9 +169,14 @@ class Trainer:
         self.stop_requested = False  # set by request_stop (e.g. from a signal handler)
 
     @property
+    def split_qkv(self) -> bool:
+        """True when attention's qkv is three tensors q, k, v (tensor parallelism, ``parallel.SplitQKV``)."""
+        return self.sharded and self.tp > 1
+
+    @property
     def checkpoint_path(self) -> Path:
-        """checkpoint.pt, or the checkpoint/ folder of DCP shards with parallel="fsdp" (on any number of processes)."""
-        return self.out_dir / (SHARDED_CHECKPOINT_DIR if self.config.parallel == "fsdp" else CHECKPOINT_FILE)
+        """checkpoint.pt, or the checkpoint/ folder of DCP shards with parallel != "ddp" (any number of processes)."""
+        return self.out_dir / (SHARDED_CHECKPOINT_DIR if self.config.parallel != "ddp" else CHECKPOINT_FILE)
 
     @property
     def step(self) -> int:
@@ -152,7 +206,7 @@ class Trainer:
         if resume:
             self.load()  # also restores the random state the interrupted run had
         else:
-            torch.manual_seed(config.seed + self.dist.rank)  # dropout masks differ between processes
+            torch.manual_seed(config.seed + self.dp_rank)  # dropout masks differ between batches, not within a tp group
             self.log.start()
         if on_start is not None:
             on_start()
@@ -233,7 +287,7 @@ class Trainer:
     def _reshard(self) -> None:
         """Free the gathered weights a forward outside training leaves behind: FSDP keeps the root's
         (embeddings, head) gathered after a forward, since in training its backward comes next."""
-        if self.sharded:
+        if self.fsdp:
             self.model.reshard()
 
     # ------------------------------------------------------------------ checkpoints
@@ -257,9 +311,11 @@ class Trainer:
 
     def save(self) -> None:
         """Write the checkpoint: checkpoint.pt (rank 0; the others wait so nobody runs ahead or exits
-        mid-write), or with parallel="fsdp" the checkpoint/ folder, each rank writing its shards."""
-        if self.config.parallel == "fsdp":
-            save_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer, self.run_state(),
+        mid-write), or with parallel != "ddp" the checkpoint/ folder, each rank writing its shards."""
+        if self.config.parallel != "ddp":
+            # Under tensor parallelism the checkpoint holds q, k and v as three tensors (parallel.SplitQKV).
+            meta = {**self.run_state(), "split_qkv": self.split_qkv, "mesh": (self.dp, self.tp)}
+            save_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer, meta,
                          self.dist.is_main)
         else:
             state = self.state_dict()  # every process takes part in the gathers
@@ -271,7 +327,7 @@ class Trainer:
     def load(self) -> None:
         """Continue from the checkpoint: rank 0 reads checkpoint.pt (or checkpoint/meta.pt) and hands it to
         every process; sharded weights and optimizer state are read by every process itself."""
-        if self.config.parallel == "fsdp":
+        if self.config.parallel != "ddp":
             return self._load_sharded()
         state = None
         if self.dist.is_main:
@@ -305,40 +361,75 @@ class Trainer:
         if "error" in meta:
             raise ValueError(meta["error"])
         check_model_config(meta["model_config"], self.model.config)
-        load_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer)  # weights: exact
+        if meta.get("split_qkv", False) == self.split_qkv:
+            load_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer)  # weights: exact
+        else:
+            self._load_other_qkv_layout()
         self.optimizer_step.step = meta["step"]
-        if len(meta["batches"]) == self.dist.world_size:
+        # Older checkpoints (FSDP only) have no mesh: as many data streams as processes.
+        if tuple(meta.get("mesh", (len(meta["batches"]), 1))) == (self.dp, self.tp):
             self.batches.load_state_dict(meta["batches"][self.dist.rank])
             set_rng_state(meta["rng"][self.dist.rank])
         else:
-            self._reseed(len(meta["batches"]))
+            self._reseed(len(meta["batches"]), tuple(meta.get("mesh", (len(meta["batches"]), 1))))
         self.saved_step = self.step
         self.log.truncate(self.step)
 
-    def _reseed(self, saved_world_size: int) -> None:
-        """New data streams and random state after a resume on another number of processes.
+    def _load_other_qkv_layout(self) -> None:
+        """Load a checkpoint whose attention stores q, k, v the other way (split under tensor parallelism,
+        fused otherwise) through whole tensors: every rank reads all weights and AdamW moments, renames
+        them and cuts its own shards (``set_state_dict``), for a moment the memory of an unsharded run."""
+        found = sharded_checkpoint_path(self.checkpoint_path)
+        stored = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
+        flat = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in stored.items()
+                if isinstance(item, TensorStorageMetadata) and key.startswith(("model.", "optimizer.state."))}
+        with warnings.catch_warnings():  # one process without a process group: meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(flat, checkpoint_id=found)
+        attn = self.model.config
+        sizes = (attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.kv_heads * attn.head_dim)
+        convert = functools.partial(split_qkv_state, sizes=sizes) if self.split_qkv else fused_qkv_state
+        model_state = convert({key.removeprefix("model."): value for key, value in flat.items()
+                               if key.startswith("model.")})
+        by_kind: dict[str, dict[str, torch.Tensor]] = {}  # exp_avg, exp_avg_sq, step -> {parameter: tensor}
+        for key, value in flat.items():
+            if key.startswith("optimizer.state."):
+                name, _, kind = key.removeprefix("optimizer.state.").rpartition(".")
+                by_kind.setdefault(kind, {})[name] = value
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        for kind, tensors in by_kind.items():
+            for name, value in convert(tensors).items():
+                moments.setdefault(name, {})[kind] = value
+        _, current = get_state_dict(self.model, self.optimizer_step.optimizer)
+        set_state_dict(self.model, self.optimizer_step.optimizer, model_state_dict=model_state,
+                       optim_state_dict={"state": moments, "param_groups": current["param_groups"]},
+                       options=StateDictOptions(full_state_dict=True))
 
-        Each rank had its own stream of windows; N streams do not become M. The new ones are seeded
-        from (seed, step, world size): reproducible, and unlike the streams of step 0.
+    def _reseed(self, saved_world_size: int, saved_mesh: tuple[int, int]) -> None:
+        """New data streams and random state after a resume on another mesh (number of processes, dp x tp).
+
+        Each data-parallel rank had its own stream of windows; N streams do not become M. The new ones
+        are seeded from (seed, step, world size): reproducible, and unlike the streams of step 0.
         """
         if self.dist.is_main:
-            warnings.warn(f"the checkpoint was written by {saved_world_size} process(es) and this run has "
-                          f"{self.dist.world_size}: weights and optimizer state continue exactly, the data "
-                          f"streams cannot (they start anew, seeded from the step)", stacklevel=4)
+            warnings.warn(f"the checkpoint was written by {saved_world_size} process(es) (dp x tp = {saved_mesh[0]} x "
+                          f"{saved_mesh[1]}) and this run has {self.dist.world_size} ({self.dp} x {self.tp}): weights "
+                          f"and optimizer state continue exactly, the data streams cannot (they start anew, seeded "
+                          f"from the step)", stacklevel=4)
         seed = int(np.random.SeedSequence([self.config.seed, self.step, self.dist.world_size]).generate_state(1)[0])
         batches = self.batches
         self.batches = RandomWindowBatches(batches.tokens, batches.batch_size, batches.context_length, seed=seed,
-                                           rank=self.dist.rank, world_size=self.dist.world_size)
-        torch.manual_seed(seed + self.dist.rank)
+                                           rank=self.dp_rank, world_size=self.dp)
+        torch.manual_seed(seed + self.dp_rank)
 
     def _other_format_hint(self) -> str:
         """Advice when the run folder holds the other kind of checkpoint (saved with the other --parallel)."""
-        sharded = self.config.parallel == "fsdp"
+        sharded = self.config.parallel != "ddp"
         other = self.out_dir / (CHECKPOINT_FILE if sharded else SHARDED_CHECKPOINT_DIR)
         if not other.exists():
             return ""
         return (f"; {self.out_dir} holds {other.name}{'' if sharded else '/'} instead, written with parallel="
-                f"{'ddp' if sharded else 'fsdp'}: resume with that setting")
+                f"{'ddp' if sharded else 'fsdp, tp or fsdp+tp'}: resume with that setting")
 
     def export(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write the weights as one ordinary model.safetensors (rank 0); every process must call it.
@@ -349,6 +440,7 @@ class Trainer:
         if self.sharded:
             state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                               cpu_offload=True))
+            state = fused_qkv_state(state)  # tensor parallel: q, k, v back into the one qkv matrix
         else:
             state = self.model.state_dict()
         if self.dist.is_main:

@@ -289,14 +289,14 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(dropout):
 
 
 def test_bad_parallel_settings_are_refused_before_training():
-    with pytest.raises(ConfigError, match=r"parallel must be one of \['ddp', 'fsdp'\], got 'zero'"):
+    with pytest.raises(ConfigError, match=r"parallel must be one of \['ddp', 'fsdp', 'tp', 'fsdp\+tp'\], got 'zero'"):
         TrainConfig(parallel="zero")
     with pytest.raises(ConfigError, match="cannot be fsdp with compile"):
         TrainConfig(parallel="fsdp", compile=True)
     with pytest.raises(ConfigError, match="cannot be fsdp with dtype float16"):
         TrainConfig(parallel="fsdp", dtype="float16")
     for flags, message in ((["--parallel", "fsdp", "--compile"], "--parallel cannot be fsdp with compile"),
-                           (["--parallel", "tp"], "invalid choice: 'tp'")):
+                           (["--parallel", "zero"], "invalid choice: 'zero'")):
         done = subprocess.run([sys.executable, str(ROOT / "ch04-pretraining" / "pretrain.py"), "--device", "cpu",
                                *flags], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr
