@@ -254,12 +254,14 @@ class GPT(nn.Module):
         """One empty cache per block, on this model's device and in its dtype.
 
         Each holds the key/value heads its block computes: all of them, or this rank's share under
-        tensor parallelism (``llmscratch.parallel.apply_tp``).
+        tensor parallelism (``llmscratch.parallel.apply_tp``). A block or attention module of
+        your own without ``attn.n_kv_heads`` gets the config's count.
         """
         max_seq_len = self.config.context_length if max_seq_len is None else max_seq_len
         weight = self.token_embedding.weight
         return [
-            KVCache(batch_size, max_seq_len, block.attn.n_kv_heads, self.config.head_dim,
+            KVCache(batch_size, max_seq_len, getattr(getattr(block, "attn", None), "n_kv_heads", self.config.kv_heads),
+                    self.config.head_dim,
                     device=weight.device, dtype=weight.dtype)
             for block in self.blocks
         ]
