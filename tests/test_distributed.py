@@ -5,17 +5,15 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from llmscratch import distributed
 from llmscratch.checkpoint import load_checkpoint
-from llmscratch.data import RandomWindowBatches
 from llmscratch.distributed import DistInfo, resolve_device
 from processes import run, spawn
-from tiny_training import TEXT, losses, make_trainer, tokens
+from tiny_training import TEXT, JointBatches, losses, make_trainer, tokens
 from tolerances import assert_adamw_runs_agree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,17 +44,6 @@ def train_and_resume(info: DistInfo, out_dir: str) -> dict:
     return {"losses": losses(first) + losses(second), "val": second.evaluate(400),
             "state": second.model.state_dict(), "peak_flops_all": second.peak_flops_all,
             "tokens_per_step": second.tokens_per_step}
-
-
-class JointBatches:
-    """What the two processes see together: rank 0's micro-batch, then rank 1's, as one batch."""
-
-    def __init__(self, train: np.ndarray):
-        self.streams = [RandomWindowBatches(train, 2, 16, seed=0, rank=r, world_size=2) for r in range(2)]
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [next(stream) for stream in self.streams]  # (2, 16) inputs and targets each
-        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
 
 
 @pytest.mark.timeout(420)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,13 +17,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from llmscratch import distributed
 from llmscratch.checkpoint import model_from_checkpoint
 from llmscratch.config import ConfigError, TrainConfig
-from llmscratch.data import RandomWindowBatches
 from llmscratch.distributed import DistInfo
 from llmscratch.model import GPT
 from llmscratch.parallel import checkpoint_activations, is_sharded, local_bytes
 from llmscratch.train import Trainer
 from processes import run, spawn
-from tiny_training import TEXT, losses, make_trainer, model_config, tokens
+from tiny_training import TEXT, JointBatches, losses, make_trainer, model_config, tokens
 from tolerances import assert_adamw_runs_agree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,17 +105,6 @@ def train_sharded(info: DistInfo, out: Path) -> dict:
     mixed.fit(progress=False)
     result["bfloat16"] = {"losses": losses(mixed), "dtypes": {p.dtype for p in mixed.model.parameters()}}
     return result
-
-
-class JointBatches:
-    """What the two processes see together: rank 0's micro-batch, then rank 1's, as one batch."""
-
-    def __init__(self, train: np.ndarray):
-        self.streams = [RandomWindowBatches(train, 2, 16, seed=0, rank=r, world_size=2) for r in range(2)]
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [next(stream) for stream in self.streams]  # (2, 16) inputs and targets each
-        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
 
 
 def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from llmscratch.assets import read_moby_dick
+from llmscratch.data import RandomWindowBatches
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
 from llmscratch.train import TrainConfig, Trainer
@@ -57,3 +58,14 @@ def make_trainer(out_dir, model_overrides: dict | None = None, dist_info=None, *
 
 def losses(trainer: Trainer) -> list[float]:
     return [record["loss"] for record in trainer.history]
+
+
+class JointBatches:
+    """What the two processes see together: rank 0's micro-batch, then rank 1's, as one batch."""
+
+    def __init__(self, train: np.ndarray):
+        self.streams = [RandomWindowBatches(train, 2, 16, seed=0, rank=r, world_size=2) for r in range(2)]
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [next(stream) for stream in self.streams]  # (2, 16) inputs and targets each
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
