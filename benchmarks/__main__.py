@@ -29,6 +29,7 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "attention": ["ch02-attention/attention_bench.py"],
     "generate": ["-m", "benchmarks.bench_generate"],
     "train": ["-m", "benchmarks.bench_train"],
+    "parallel_memory": ["-m", "benchmarks.bench_parallel_memory"],  # 4 gloo processes, one thread each
 }
 
 

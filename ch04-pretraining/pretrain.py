@@ -33,7 +33,7 @@ from llmscratch.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.cli import HelpFormatter, add_flags, build_config, finite_float, refuse
 from llmscratch.data import load_token_meta, load_token_split
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
-from llmscratch.memory import check_mesh
+from llmscratch.parallel import mesh_shape
 from llmscratch.model import GPT, PRESETS, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
 from llmscratch.sharded_checkpoint import read_meta, sharded_checkpoint_path
@@ -315,12 +315,6 @@ def build_configs(args, tokenizer: BPETokenizer, device: torch.device) -> tuple[
     return model_config_for(args, vocab_size), train_config_for(args, device)
 
 
-def mesh_of(model_config: GPTConfig, train_config: TrainConfig, dist: distributed.DistInfo) -> tuple[int, int]:
-    """(dp, tp): data-parallel replicas and tensor-parallel group size; ValueError naming what does not divide."""
-    tp = dist.world_size if train_config.parallel == "tp" else train_config.tp
-    return check_mesh(model_config, train_config.parallel, dist.world_size, tp)
-
-
 def run_flags(args) -> dict:
     """The flags to record (run.json, and a copy in the checkpoint) as plain JSON data."""
     flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
@@ -360,7 +354,7 @@ def run(argv: list[str] | None, dist: distributed.DistInfo, start: float) -> int
     try:
         tokenizer, train, val, described = load_data(args, dist)
         model_config, train_config = build_configs(args, tokenizer, dist.device)
-        mesh_of(model_config, train_config, dist)  # a mesh that does not divide the model: refused here
+        mesh_shape(model_config, train_config, dist.world_size)  # a mesh that does not divide the model: refused here
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -387,8 +381,11 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
     if dist.is_main:
         remove_stale_temporaries(args.out_dir / CHECKPOINT_FILE)  # left by a process killed mid-save
     torch.manual_seed(args.seed)  # the same initial weights on every process
-    model = GPT(model_config)
-    dp, _ = mesh_of(model_config, train_config, dist)
+    # Sharded, the others' weights come from rank 0's (llmscratch.parallel): they build theirs without memory.
+    sharded = train_config.parallel != "ddp" and dist.enabled
+    with torch.device("meta") if sharded and not dist.is_main else contextlib.nullcontext():
+        model = GPT(model_config)
+    dp, _ = mesh_shape(model_config, train_config, dist.world_size)
     say(f"model: {args.preset}, {model.num_params():,} parameters, context {model_config.context_length}, "
         f"vocabulary {model_config.vocab_size:,} | {dist.world_size} process(es) on {dist.device.type}"
         f"{f' ({train_config.parallel}: sharded)' if train_config.parallel != 'ddp' and dist.enabled else ''}, "

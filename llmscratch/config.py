@@ -135,12 +135,9 @@ class TrainConfig:
         if self.parallel != "ddp" and self.compile:
             raise ConfigError("parallel", f"cannot be {self.parallel} with compile (not supported here yet): drop "
                                           f"one of them", self.parallel)
-        if self.parallel == "fsdp" and self.dtype == "float16":
-            raise ConfigError("parallel", "cannot be fsdp with dtype float16 (its gradient scaler does not "
-                                          "handle sharded gradients): use bfloat16 or float32", self.parallel)
-        if self.parallel in ("tp", "fsdp+tp") and self.dtype != "float32":
-            raise ConfigError("parallel", f"cannot be {self.parallel} with dtype {self.dtype} (tensor parallelism "
-                                          f"trains in float32 here): use float32", self.parallel)
+        if self.parallel != "ddp" and self.dtype == "float16":
+            raise ConfigError("parallel", f"cannot be {self.parallel} with dtype float16 (its gradient scaler does "
+                                          f"not handle sharded gradients): use bfloat16 or float32", self.parallel)
         if self.tp != 1 and self.parallel != "fsdp+tp":
             raise ConfigError("tp", f"is the group size of --parallel fsdp+tp and must be 1 with parallel="
                                     f"{self.parallel} (tp uses every process)", self.tp)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from llmscratch.device import autocast
-from llmscratch.evaluation import evaluating
+from llmscratch.evaluation import evaluating, exact_match
+from llmscratch.evaluation import normalize_answer as normalize  # noqa: F401  (re-exported: the ch05 name)
 from llmscratch.generate import generate
 from llmscratch.losses import IGNORE_INDEX
 from llmscratch.runlog import progress_bar
@@ -213,11 +214,6 @@ def respond(model: nn.Module, tokenizer, records: Sequence[dict], max_new_tokens
 
 
 # --------------------------------------------------------------------------- scores
-def normalize(text: str) -> str:
-    """Lower case, runs of whitespace as one space, no leading or trailing space."""
-    return " ".join(text.lower().split())
-
-
 def evaluate_responses(records: Sequence[dict], responses: Sequence[Response]) -> dict:
     """Exact match (normalised) overall and per family, and the share of well-formed answers.
 
@@ -228,7 +224,7 @@ def evaluate_responses(records: Sequence[dict], responses: Sequence[Response]) -
         raise ValueError(f"need one response per record, and at least one; got {len(responses)} for {len(records)}")
     hits: dict[str, list[bool]] = {}
     for record, response in zip(records, responses):
-        hit = normalize(response.text) == normalize(record["output"])
+        hit = exact_match(response.text, record["output"])
         hits.setdefault(record.get("family", "all"), []).append(hit)
     every = [hit for family in hits.values() for hit in family]
     return {"exact_match": sum(every) / len(every),

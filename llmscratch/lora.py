@@ -4,13 +4,16 @@ A frozen layer ``y = x W^T + b`` gets a trainable update ``(alpha / rank) * x A^
 A (rank, in) random and B (out, rank) zero, so training starts from exactly the base model.
 ``apply_lora`` wraps chosen ``nn.Linear`` modules of a model and freezes everything else;
 ``merge_lora`` folds each update into a plain ``nn.Linear`` (no extra cost at inference);
-``save_adapters`` / ``load_adapters`` store the A and B matrices alone, in safetensors.
+``save_adapters`` / ``load_adapters`` store the A and B matrices alone, in safetensors;
+``adapters_disabled`` switches every update off for a while: the base model, without a copy.
 """
 
+import contextlib
 import fnmatch
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +69,11 @@ class LoRALinear(nn.Module):
         # A as nn.Linear initialises its weight; B = 0 makes the update zero at the start.
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         self.dropout = nn.Dropout(dropout)
+        self.enabled = True  # False: the base layer alone (see adapters_disabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return self.base(x)  # (..., out)
         update = self.dropout(x) @ self.lora_a.T @ self.lora_b.T  # (..., in) -> (..., rank) -> (..., out)
         return self.base(x) + self.scaling * update  # (..., out)
 
@@ -105,6 +111,25 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     """Every LoRA-wrapped layer of the model, by module name."""
     return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with every LoRA update off inside the block (the base model), then as before, even after an error.
+
+    The reference model of preference tuning (``llmscratch.preference``) is the policy this way: no second copy.
+    """
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapters to disable")
+    was_enabled = {name: layer.enabled for name, layer in layers.items()}
+    for layer in layers.values():
+        layer.enabled = False
+    try:
+        yield model
+    finally:
+        for name, layer in layers.items():
+            layer.enabled = was_enabled[name]
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig = LoRAConfig()) -> list[str]:

@@ -16,6 +16,8 @@ chunk with autograd recording, and the chunk's logit gradient is sent back throu
 (``head_cross_entropy``). The loss, its softmax gradient and the bookkeeping are one loop for both.
 """
 
+import sys
+
 import torch
 from torch import nn
 
@@ -224,7 +226,13 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Ten
     chunk_rows: rows per chunk (None: about 64 MiB of float32 logits).
     """
     if type(head) is nn.Linear and head.bias is None:  # its weight is all there is to the head
-        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index, chunk_rows=chunk_rows)
+        weight = head.weight
+        dtensor = sys.modules.get("torch.distributed.tensor")  # (imported by whoever made a DTensor)
+        if dtensor and isinstance(weight, dtensor.DTensor) and all(p.is_replicate() for p in weight.placements):
+            # Tensor parallelism keeps the head whole on every rank (llmscratch.parallel): its local
+            # tensor is the matrix, and its gradient goes back as the same replicated DTensor.
+            weight = weight.to_local()
+        return linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, chunk_rows=chunk_rows)
     if hidden.dim() != 2:
         raise ValueError(f"need hidden (N, d); got {tuple(hidden.shape)}")
     _check_rows(hidden, targets, chunk_rows)

@@ -18,9 +18,8 @@ What each GPU holds (N GPUs, a mesh of dp x tp = N):
   activations inside attention and the MLP split, the residual stream not. Replicated over dp = N / tp.
 - fsdp+tp: the tp shards, each split again over dp by FSDP.
 Parameter, gradient and optimizer numbers are checked against the local tensors of real runs: ddp and fsdp in
-tests/test_memory.py, tp in tests/test_tensor_parallel.py (parameters). The tp activations and the
-activation-checkpointing formula are checked on paper only (under tp the Trainer's loss also keeps the full
-logits, which this estimate does not count).
+tests/test_memory.py, tp and fsdp+tp in tests/test_tensor_parallel.py (parameters). The tp activations and the
+activation-checkpointing formula are checked on paper only.
 """
 
 import argparse

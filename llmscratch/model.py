@@ -90,6 +90,9 @@ PRESETS: dict[str, dict] = {
     # TinyLlama 1.1B's shape (a plain Llama 2 architecture: its weights load with load_hf).
     "tinyllama-1.1b": dict(_LLAMA, vocab_size=32000, context_length=2048, d_model=2048,
                            n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632, tie_embeddings=False),
+    # Llama 3 8B's shape (2024): a model for many GPUs (FSDP and tensor parallelism, ch04), not for a CPU.
+    "llama3-8b": dict(_LLAMA, vocab_size=128256, context_length=8192, d_model=4096, n_layers=32,
+                      n_heads=32, n_kv_heads=8, d_ff=14336, rope_theta=500_000.0, tie_embeddings=False),
 }
 
 

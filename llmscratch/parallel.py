@@ -21,16 +21,23 @@ ranks computes its n_heads/tp query heads (n_kv_heads/tp key/value heads) and d_
 the whole batch, and one all-reduce after attention and one after the MLP sum the ranks' parts. The
 ranks of a tp group read the same batches; ``fsdp+tp`` (a dp x tp mesh) shards those tp shards again
 over dp with FSDP, as torchtitan does.
+
+``parallelize`` does all of it for the Trainer. Sharded, the model is cut on PyTorch's "meta" device
+(shapes, no memory) and only then given memory and filled from rank 0's weights, broadcast one tensor
+at a time: the other ranks can build their GPT on "meta" too, so no process but rank 0 (on its CPU) and
+no GPU ever holds the whole model.
 """
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -40,10 +47,87 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from llmscratch.model import GPT
+from llmscratch.distributed import DistInfo
+from llmscratch.memory import check_mesh
+from llmscratch.model import GPT, GPTConfig
+from llmscratch.rope import RotaryEmbedding
 
-__all__ = ["GradientSync", "LogitsLoss", "SplitQKV", "apply_fsdp", "apply_tp", "checkpoint_activations",
-           "fused_qkv_state", "is_sharded", "local_bytes", "split_qkv_state"]
+__all__ = ["GradientSync", "Parallelized", "SplitQKV", "apply_fsdp", "apply_tp", "checkpoint_activations",
+           "fused_qkv_state", "is_sharded", "local_bytes", "mesh_shape", "parallelize", "qkv_sizes", "split_qkv_state"]
+
+# DDP need not re-send buffers before each forward: the only ones (RoPE tables) are the same on every
+# process by construction. Newer torch names the option forward_sync_buffers, older broadcast_buffers.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
+
+
+@dataclasses.dataclass
+class Parallelized:
+    """A GPT set up for training under ``TrainConfig.parallel``: what runs it and how its ranks are laid out."""
+
+    dp: int  # data-parallel ranks (each sees its own batches)
+    tp: int  # tensor-parallel ranks per group (they see the same batches)
+    sharded: bool  # the parameters are DTensors: FSDP and/or TP across several processes
+    fsdp: bool  # sharded by FSDP (its policy casts to bfloat16, no autocast)
+    compiled: nn.Module  # what evaluation runs: the model, through torch.compile or not
+    wrapped: nn.Module  # what training steps run: ``compiled``, inside DDP under parallel="ddp"
+    grad_sync: object | None  # what holds gradients back between micro-steps (DDP, GradientSync) or None
+    autocast_dtype: torch.dtype  # the dtype of autocast (float32: none)
+
+
+def mesh_shape(model_config: GPTConfig, config, world_size: int) -> tuple[int, int]:
+    """(dp, tp) of ``world_size`` processes under ``config.parallel``; ValueError naming what does not divide."""
+    tp = world_size if config.parallel == "tp" else config.tp  # tp: one group of all the processes
+    return check_mesh(model_config, config.parallel, world_size, tp)
+
+
+def parallelize(model: GPT, config, dist_info: DistInfo) -> Parallelized:
+    """Move ``model`` to its device and split it across ``dist_info``'s processes as ``config.parallel`` says.
+
+    The mesh (dp x tp) is checked first: tp must divide the processes, heads and d_ff
+    (``memory.check_mesh``). Sharded (FSDP and/or TP) only across several processes: one process
+    trains as under DDP. Tensor parallelism comes first, then FSDP shards the tp shards (as
+    torchtitan does); compile comes before DDP's wrapper, so its no_sync and hooks stay plain Python.
+    """
+    dp, tp = mesh_shape(model.config, config, dist_info.world_size)
+    if config.activation_checkpointing:
+        checkpoint_activations(model)
+    sharded = config.parallel != "ddp" and dist_info.enabled
+    fsdp = sharded and config.parallel in ("fsdp", "fsdp+tp")
+    if not sharded:
+        model.to(dist_info.device)
+    else:
+        # Cut on the meta device, then filled from rank 0's weights (whole on its CPU): the other ranks may
+        # build their GPT on "meta" too, so a large model is never whole on them, nor on any GPU.
+        full = model.state_dict() if dist_info.is_main else {}
+        model.to("meta")  # (new Parameter objects: the tied head is tied again below)
+        if model.config.tie_embeddings:
+            model.lm_head.weight = model.token_embedding.weight
+        device_type = dist_info.device.type
+        if tp == 1:
+            dp_mesh = init_device_mesh(device_type, (dp,))
+        else:
+            mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+            apply_tp(model, mesh["tp"])
+            full = split_qkv_state(full, qkv_sizes(model.config)) if full else full
+            dp_mesh = mesh["dp"]
+        if fsdp:
+            apply_fsdp(model, dp_mesh, mixed_precision=config.dtype == "bfloat16")
+        model.to_empty(device=dist_info.device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_tables()  # buffers are not in a state dict
+    compiled = torch.compile(model) if config.compile else model
+    wrapped, grad_sync = compiled, None
+    if fsdp:
+        grad_sync = GradientSync(model)
+    elif dist_info.enabled and not sharded:
+        device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        wrapped = grad_sync = nn.parallel.DistributedDataParallel(compiled, device_ids=device_ids, **_NO_BUFFER_SYNC)
+    return Parallelized(dp=dp, tp=tp, sharded=sharded, fsdp=fsdp, compiled=compiled, wrapped=wrapped,
+                        grad_sync=grad_sync, autocast_dtype=torch.float32 if fsdp else config.torch_dtype)
 
 
 def apply_fsdp(model: GPT, mesh: DeviceMesh | None, mixed_precision: bool = False) -> GPT:
@@ -123,29 +207,6 @@ def apply_tp(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
-class LogitsLoss(nn.Module):
-    """``model(idx, targets=...)`` of a tensor-parallel GPT: cross-entropy of its whole (B, T, V) logits.
-
-    The GPT's own loss (``llmscratch.losses``) reads the head's weight as a plain tensor, which a
-    replicated DTensor is not; this one goes through the head as a module. Same mean (ignore -100),
-    but the (B, T, V) logits are stored for backward: more activation memory than the chunked loss.
-    """
-
-    def __init__(self, model: GPT):
-        super().__init__()
-        self.model = model
-
-    @property
-    def config(self):
-        return self.model.config  # what evaluation reads (the context length)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.model(idx)  # (B, T, V)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)  # ()
-
-
 def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     """Make ``module``'s parameters DTensors replicated over ``mesh``, its inputs and outputs staying plain.
 
@@ -179,6 +240,12 @@ def fused_qkv_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             trio = [state[f"{prefix}.qkv.{p}.{kind}"] for p in "qkv"]
             fused[f"{prefix}.qkv.{kind}"] = torch.cat(trio) if tensor.dim() else tensor
     return fused
+
+
+def qkv_sizes(config) -> tuple[int, int, int]:
+    """Rows of q, k and v in a GPT's fused qkv matrix (whole, not per tensor-parallel rank)."""
+    kv_rows = config.kv_heads * config.head_dim
+    return config.n_heads * config.head_dim, kv_rows, kv_rows
 
 
 def split_qkv_state(state: dict[str, torch.Tensor], sizes: tuple[int, int, int]) -> dict[str, torch.Tensor]:

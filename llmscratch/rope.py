@@ -30,10 +30,15 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
         self.theta = theta
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)compute the tables, e.g. after ``to_empty`` (which gives a model built on "meta" memory, not values)."""
+        device = self.cos.device if hasattr(self, "cos") else None
         # float64 for the angles: position * frequency loses digits in float32 at long contexts.
-        pair_index = torch.arange(0, head_dim, 2, dtype=torch.float64)  # (hs/2,)
-        inv_freq = theta ** (-pair_index / head_dim)  # (hs/2,) from 1 down to ~1/theta
-        positions = torch.arange(max_seq_len, dtype=torch.float64)  # (T_max,)
+        pair_index = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)  # (hs/2,)
+        inv_freq = self.theta ** (-pair_index / self.head_dim)  # (hs/2,) from 1 down to ~1/theta
+        positions = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)  # (T_max,)
         angles = torch.outer(positions, inv_freq)  # (T_max, hs/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T_max, hs): both halves of a pair share an angle
         # Not persistent: the tables are derived from (head_dim, max_seq_len, theta), never loaded.

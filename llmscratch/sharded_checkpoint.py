@@ -17,18 +17,19 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from llmscratch import distributed
 
-__all__ = ["META_FILE", "load_sharded", "read_meta", "save_sharded", "sharded_checkpoint_path"]
+__all__ = ["META_FILE", "load_sharded", "load_sharded_renamed", "read_meta", "save_sharded", "sharded_checkpoint_path"]
 
 META_FILE = "meta.pt"
 SHARDED_FORMAT = "llmscratch-sharded-checkpoint"
@@ -117,3 +118,37 @@ def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torc
         raise ValueError(f"the sharded checkpoint in {found} does not load into this model and optimizer "
                          f"({reason})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_sharded_renamed(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Every rank: fill ``model`` and ``optimizer`` from a checkpoint whose tensors are named (and cut)
+    another way, e.g. q, k, v fused or split (``parallel.fused_qkv_state``, ``split_qkv_state``).
+
+    ``rename`` maps whole tensors by parameter name to this model's names; it is applied to the
+    weights and to each kind of AdamW state (exp_avg, exp_avg_sq, step). Every rank reads all
+    tensors whole and cuts its own shards: for a moment the memory of an unsharded run.
+    """
+    found = sharded_checkpoint_path(directory)
+    if found is None:
+        raise ValueError(f"no sharded checkpoint at {directory}")
+    stored = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
+    flat = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in stored.items()
+            if isinstance(item, TensorStorageMetadata) and key.startswith(("model.", "optimizer.state."))}
+    with _quiet():
+        dcp.load(flat, checkpoint_id=found)
+    model_state = rename({key.removeprefix("model."): value for key, value in flat.items()
+                          if key.startswith("model.")})
+    by_kind: dict[str, dict[str, torch.Tensor]] = {}  # exp_avg, exp_avg_sq, step -> {parameter: tensor}
+    for key, value in flat.items():
+        if key.startswith("optimizer.state."):
+            name, _, kind = key.removeprefix("optimizer.state.").rpartition(".")
+            by_kind.setdefault(kind, {})[name] = value
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for kind, tensors in by_kind.items():
+        for name, value in rename(tensors).items():
+            moments.setdefault(name, {})[kind] = value
+    _, current = get_state_dict(model, optimizer)
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict={"state": moments, "param_groups": current["param_groups"]},
+                   options=StateDictOptions(full_state_dict=True))

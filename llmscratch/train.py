@@ -11,7 +11,6 @@ schedule, accumulation, mixed precision) is ``llmscratch.optim``; the run folder
 
 import dataclasses
 import functools
-import inspect
 import time
 import warnings
 from collections.abc import Callable
@@ -19,16 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from llmscratch import distributed
 from llmscratch.checkpoint import (
@@ -44,7 +34,6 @@ from llmscratch.config import TrainConfig
 from llmscratch.data import RandomWindowBatches
 from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.flops import peak_flops
-from llmscratch.memory import check_mesh
 from llmscratch.model import GPT
 from llmscratch.optim import (
     OptimizerStep,
@@ -52,22 +41,9 @@ from llmscratch.optim import (
     configure_optimizer,
     learning_rate,
 )
-from llmscratch.parallel import (
-    GradientSync,
-    LogitsLoss,
-    apply_fsdp,
-    apply_tp,
-    checkpoint_activations,
-    fused_qkv_state,
-    split_qkv_state,
-)
+from llmscratch.parallel import fused_qkv_state, parallelize, qkv_sizes, split_qkv_state
 from llmscratch.runlog import RunLog, sample_text
-from llmscratch.sharded_checkpoint import (
-    load_sharded,
-    read_meta,
-    save_sharded,
-    sharded_checkpoint_path,
-)
+from llmscratch.sharded_checkpoint import load_sharded, load_sharded_renamed, read_meta, save_sharded
 from llmscratch.tokenizer import BPETokenizer
 
 # The training API in one import: the config, the step's schedule and optimizer, and the run.
@@ -75,11 +51,6 @@ __all__ = ["TrainConfig", "Trainer", "TrainingDiverged", "TrainingStopped", "con
 
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDED_CHECKPOINT_DIR = "checkpoint"  # with parallel != "ddp": a folder of DCP shards (llmscratch.sharded_checkpoint)
-# DDP need not re-send buffers before each forward: the only ones (RoPE tables) are the same on every
-# process by construction. Newer torch names the option forward_sync_buffers, older broadcast_buffers.
-_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
-                   else {"broadcast_buffers": False})
 
 
 class TrainingStopped(Exception):
@@ -114,43 +85,16 @@ class Trainer:
         self.tokenizer = tokenizer
         self.val_tokens = val_tokens
         self.run_info = run_info or {}  # saved in the checkpoint as it is (e.g. the script's flags)
-        # The mesh (dp, tp) is checked before anything is built: tp must divide the processes, heads and d_ff.
-        tp = dist_info.world_size if config.parallel == "tp" else config.tp
-        self.dp, self.tp = check_mesh(model.config, config.parallel, dist_info.world_size, tp)
+        self.model = model
+        # Checked and split before anything else is built (llmscratch.parallel): DDP, FSDP, TP or both.
+        setup = parallelize(model, config, dist_info)
+        self.dp, self.tp, self.sharded, self.fsdp = setup.dp, setup.tp, setup.sharded, setup.fsdp
         self.dp_rank = dist_info.rank // self.tp  # the ranks of one tp group see the same batches
-        self.model = model.to(self.device)
-        if config.activation_checkpointing:
-            checkpoint_activations(self.model)
-        # Sharded (FSDP and/or TP) only across several processes; one process trains as under DDP (but saves
-        # checkpoint/). Every rank of a sharded model must run every forward (they compute it together).
-        self.sharded = config.parallel != "ddp" and dist_info.enabled
-        self.fsdp = config.parallel in ("fsdp", "fsdp+tp") and dist_info.enabled
-        # bfloat16 under FSDP: its policy casts the gathered weights (llmscratch.parallel), so no autocast.
-        self.compute_dtype = torch.float32 if self.sharded else config.torch_dtype
-        if self.sharded:
-            if self.tp == 1:
-                dp_mesh = init_device_mesh(self.device.type, (self.dp,))
-            else:
-                mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
-                apply_tp(self.model, mesh["tp"])  # first, as torchtitan does: FSDP then shards the tp shards
-                dp_mesh = mesh["dp"]
-            if self.fsdp:
-                apply_fsdp(self.model, dp_mesh, mixed_precision=config.dtype == "bfloat16")
-        # Compile first, then wrap (as nanoGPT does): DDP's no_sync and hooks stay plain Python.
-        self.compiled: nn.Module = torch.compile(self.model) if config.compile else self.model
-        if self.sharded and self.tp > 1:  # the GPT's own loss reads the head's weight as a plain tensor
-            self.compiled = LogitsLoss(self.model)
-        self.wrapped: nn.Module = self.compiled
-        self.grad_sync = None  # what holds gradients back between micro-steps: DDP, or FSDP's switch
-        if self.fsdp:
-            self.grad_sync = GradientSync(self.model)
-        elif dist_info.enabled and not self.sharded:
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.wrapped = self.grad_sync = nn.parallel.DistributedDataParallel(
-                self.compiled, device_ids=device_ids, **_NO_BUFFER_SYNC)
+        self.compiled, self.wrapped, self.grad_sync = setup.compiled, setup.wrapped, setup.grad_sync
+        self.compute_dtype = setup.autocast_dtype  # float32 under FSDP: its policy casts to bfloat16
         # Built after sharding: AdamW's moments are made like the (sharded) parameters they follow. Its
         # fused CUDA kernel takes DTensors (DTensor shards the _fused_adamw_ op like any pointwise one).
-        step_config = dataclasses.replace(config, dtype="float32") if self.sharded else config
+        step_config = dataclasses.replace(config, dtype="float32") if self.fsdp else config
         self.optimizer_step = OptimizerStep(self.model, step_config, self.device, advice=(
             f"training stopped. The last good checkpoint (if any) is kept in {self.checkpoint_path}"))
         self.batches = RandomWindowBatches(train_tokens, config.batch_size, model.config.context_length,
@@ -275,12 +219,11 @@ class Trainer:
         """Validation loss, perplexity and bits per byte (the same on every process)."""
         # No activations are kept for a backward pass: a whole optimizer step's sequences fit at once.
         batch_size = self.config.batch_size * self.config.grad_accum
-        # Sharded, every rank must run every forward: each evaluates all windows (not every N-th, where
-        # the ranks may need different numbers of batches). evaluate then sums the N equal totals,
-        # which leaves the ratios (loss, bits per byte) as they are.
-        dist_info = distributed.DistInfo(device=self.device) if self.sharded else self.dist
+        # Each data-parallel rank evaluates every dp-th window (a tp group shares them); sharded, every
+        # rank runs as many forward passes as the busiest one (they compute each forward together).
+        dist_info = dataclasses.replace(self.dist, rank=self.dp_rank, world_size=self.dp)
         metrics = evaluate(self.compiled, self.val_tokens, self.token_bytes, batch_size, self.device,
-                           self.compute_dtype, max_tokens, dist_info)
+                           self.compute_dtype, max_tokens, dist_info, lockstep=self.sharded)
         self._reshard()
         return metrics
 
@@ -377,33 +320,10 @@ class Trainer:
 
     def _load_other_qkv_layout(self) -> None:
         """Load a checkpoint whose attention stores q, k, v the other way (split under tensor parallelism,
-        fused otherwise) through whole tensors: every rank reads all weights and AdamW moments, renames
-        them and cuts its own shards (``set_state_dict``), for a moment the memory of an unsharded run."""
-        found = sharded_checkpoint_path(self.checkpoint_path)
-        stored = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
-        flat = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in stored.items()
-                if isinstance(item, TensorStorageMetadata) and key.startswith(("model.", "optimizer.state."))}
-        with warnings.catch_warnings():  # one process without a process group: meant
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(flat, checkpoint_id=found)
-        attn = self.model.config
-        sizes = (attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.kv_heads * attn.head_dim)
+        fused otherwise): renamed through whole tensors (``sharded_checkpoint.load_sharded_renamed``)."""
+        sizes = qkv_sizes(self.model.config)
         convert = functools.partial(split_qkv_state, sizes=sizes) if self.split_qkv else fused_qkv_state
-        model_state = convert({key.removeprefix("model."): value for key, value in flat.items()
-                               if key.startswith("model.")})
-        by_kind: dict[str, dict[str, torch.Tensor]] = {}  # exp_avg, exp_avg_sq, step -> {parameter: tensor}
-        for key, value in flat.items():
-            if key.startswith("optimizer.state."):
-                name, _, kind = key.removeprefix("optimizer.state.").rpartition(".")
-                by_kind.setdefault(kind, {})[name] = value
-        moments: dict[str, dict[str, torch.Tensor]] = {}
-        for kind, tensors in by_kind.items():
-            for name, value in convert(tensors).items():
-                moments.setdefault(name, {})[kind] = value
-        _, current = get_state_dict(self.model, self.optimizer_step.optimizer)
-        set_state_dict(self.model, self.optimizer_step.optimizer, model_state_dict=model_state,
-                       optim_state_dict={"state": moments, "param_groups": current["param_groups"]},
-                       options=StateDictOptions(full_state_dict=True))
+        load_sharded_renamed(self.checkpoint_path, self.model, self.optimizer_step.optimizer, convert)
 
     def _reseed(self, saved_world_size: int, saved_mesh: tuple[int, int]) -> None:
         """New data streams and random state after a resume on another mesh (number of processes, dp x tp).

@@ -37,6 +37,12 @@ def test_tinyllama_preset_has_tinyllamas_parameter_count():
     assert model.num_params() == 1_100_048_384  # TinyLlama-1.1B's published size
 
 
+def test_the_llama3_8b_preset_has_the_published_size():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset("llama3-8b"))
+    assert model.num_params() == 8_030_261_248  # Meta-Llama-3-8B's parameter count
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_builds_a_valid_config(preset):
     config = GPTConfig.from_preset(preset)

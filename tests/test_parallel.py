@@ -1,10 +1,12 @@
 """FSDP2 on CPU (gloo): two sharded processes train as one process with their joint batch; sharded
 checkpoints resume exactly, and across 2 -> 1 and 1 -> 2 processes; activation checkpointing changes nothing."""
 
+import contextlib
 import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +22,20 @@ from llmscratch.config import ConfigError, TrainConfig
 from llmscratch.distributed import DistInfo
 from llmscratch.model import GPT
 from llmscratch.parallel import checkpoint_activations, is_sharded, local_bytes
+from llmscratch.sharded_checkpoint import read_meta
 from llmscratch.train import Trainer
 from processes import run, spawn
-from tiny_training import TEXT, JointBatches, losses, make_trainer, model_config, tokens
+from tiny_training import (
+    DESIGNS,
+    TEXT,
+    JointBatches,
+    losses,
+    make_trainer,
+    model_config,
+    tokenizer,
+    tokens,
+    train_config,
+)
 from tolerances import assert_adamw_runs_agree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,10 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = dict(batch_size=2, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,
                 checkpoint_interval=3, eval_tokens=128, final_eval_tokens=400, parallel="fsdp")
 STEPS = 6
-# The two designs: Llama-style with grouped-query attention (untied head), GPT-2-style (tied head).
-MODELS = {"llama": dict(tie_embeddings=False),
-          "gpt2": dict(norm="layernorm", mlp="gelu", position="learned", qkv_bias=True, bias=True,
-                       n_kv_heads=None, tie_embeddings=True)}
 
 
 def full_states(trainer: Trainer) -> tuple[dict, dict]:
@@ -68,7 +77,7 @@ def fsdp_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
 def train_sharded(info: DistInfo, out: Path) -> dict:
     """Per design: a straight run, one stopped at step 3 and resumed, and a resume of a 1-process checkpoint."""
     result = {}
-    for name, overrides in MODELS.items():
+    for name, overrides in DESIGNS.items():
         straight = make_trainer(out / name / "straight", overrides, info, max_steps=STEPS, **SETTINGS)
         assert is_sharded(straight.model)
         before = local_bytes(straight.model)
@@ -100,8 +109,15 @@ def train_sharded(info: DistInfo, out: Path) -> dict:
             "from_one_model": loaded_model, "from_one_optimizer": loaded_optimizer,
             "from_one_steps": [r["step"] for r in from_one.history],
         }
+    # Rank 1 builds its GPT on the meta device (no memory, no values): its shards come from rank 0's weights.
+    with torch.device("meta") if info.rank else contextlib.nullcontext():
+        torch.manual_seed(info.rank)  # rank 0 as make_trainer (seed 0); rank 1's values (none here) would not count
+        model = GPT(model_config(**DESIGNS["llama"]))
+    meta = Trainer(model, train_config(max_steps=3, **SETTINGS), *tokens(), out / "meta", tokenizer(), info)
+    meta.fit(progress=False)
+    result["meta"] = {"losses": losses(meta), "on_meta": any(p.is_meta for p in model.parameters())}
     # FSDP's bfloat16 policy (what runs on GPUs): the weights gathered as bfloat16, the shards stay float32.
-    mixed = make_trainer(out / "bfloat16", MODELS["llama"], info, max_steps=3, **{**SETTINGS, "dtype": "bfloat16"})
+    mixed = make_trainer(out / "bfloat16", DESIGNS["llama"], info, max_steps=3, **{**SETTINGS, "dtype": "bfloat16"})
     mixed.fit(progress=False)
     result["bfloat16"] = {"losses": losses(mixed), "dtypes": {p.dtype for p in mixed.model.parameters()}}
     return result
@@ -117,7 +133,7 @@ def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
 def sharded_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Both designs trained by 2 FSDP processes; first a 1-process run writes the checkpoint they resume."""
     out = tmp_path_factory.mktemp("fsdp")
-    for name, overrides in MODELS.items():  # one process, parallel="fsdp": the same format, unsharded
+    for name, overrides in DESIGNS.items():  # one process, parallel="fsdp": the same format, unsharded
         one = make_trainer(out / name / "from_one", overrides, max_steps=3, **SETTINGS)
         one.fit(progress=False)
         assert not is_sharded(one.model) and (out / name / "from_one" / "checkpoint" / "meta.pt").is_file()
@@ -128,11 +144,11 @@ def sharded_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(DESIGNS))
 def test_fsdp_matches_one_process_with_the_same_global_batch(sharded_runs, name):
     out, ranks = sharded_runs
     result = ranks[0][name]
-    single = make_trainer(out / name / "single", MODELS[name], max_steps=STEPS, **{**SETTINGS, "batch_size": 4})
+    single = make_trainer(out / name / "single", DESIGNS[name], max_steps=STEPS, **{**SETTINGS, "batch_size": 4})
     single.batches = JointBatches(tokens()[0])
     steps = [single.train_step() for _ in range(STEPS)]
     # Gradients are equal in exact arithmetic but summed in another order: float32 rounding (tolerances.py).
@@ -143,11 +159,19 @@ def test_fsdp_matches_one_process_with_the_same_global_batch(sharded_runs, name)
     assert result["val"] == pytest.approx(single.evaluate(400), rel=1e-6)
     assert ranks[1][name]["losses"] == result["losses"]  # every rank logs the global loss
     assert result["sample"] and ranks[1][name]["sample"] is None  # all ranks generate, rank 0 records
-    assert result["tied"] == MODELS[name]["tie_embeddings"]
+    assert result["tied"] == DESIGNS[name]["tie_embeddings"]
     # model.safetensors: one ordinary file with the full weights.
     exported = model_from_checkpoint(out / name / "model.safetensors").state_dict()
     assert exported.keys() == result["model"].keys()
     assert all(torch.equal(exported[k], result["model"][k]) for k in exported)
+
+
+@pytest.mark.timeout(600)
+def test_ranks_that_build_the_model_on_the_meta_device_get_rank_0s_weights(sharded_runs):
+    _, ranks = sharded_runs
+    assert ranks[0]["meta"]["losses"] == ranks[0]["llama"]["losses"][:3]  # bit for bit: rank 0's initial weights
+    assert ranks[1]["meta"]["losses"] == ranks[0]["meta"]["losses"]
+    assert not ranks[0]["meta"]["on_meta"] and not ranks[1]["meta"]["on_meta"]  # every shard has memory
 
 
 @pytest.mark.timeout(600)
@@ -179,12 +203,79 @@ def test_torchrun_runs_the_script_with_fsdp_and_resumes(tmp_path):
     assert model_from_checkpoint(tmp_path / "run" / "model.safetensors").num_params() > 0  # one ordinary file
 
 
+# pretrain.py, except that after logging step {kill_at} rank 1 SIGKILLs torchrun, every worker and itself (each
+# worker has a session of its own, so through /proc: Linux): all die at once, rank 0 wherever it is (in the
+# next step, or writing the checkpoint of this one).
+KILLING_PRETRAIN = """
+import os, runpy, signal, sys
+from pathlib import Path
+from llmscratch.train import Trainer
+
+record = Trainer._record
+
+def parent(pid):
+    return int(Path(f"/proc/{{pid}}/stat").read_text().rpartition(")")[2].split()[1])
+
+def record_then_die(self, *args):
+    record(self, *args)
+    if self.step == {kill_at} and self.dist.rank == 1:
+        launcher = os.getppid()
+        workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and parent(p) == launcher]
+        for pid in [launcher, *workers, os.getpid()]:
+            os.kill(pid, signal.SIGKILL)
+
+Trainer._record = record_then_die
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("parallel", ["fsdp", "tp"])
+def test_a_sharded_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, parallel):
+    """Killed after step 15, when its checkpoint is due (every 5 steps): --resume restarts from step 10 and gives
+    the losses and the final validation loss of a run never interrupted, bit for bit (float32 on CPU, 1 thread)."""
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    script = ROOT / "ch04-pretraining" / "pretrain.py"
+    (tmp_path / "killing.py").write_text(KILLING_PRETRAIN.format(kill_at=15, script=str(script)), encoding="utf-8")
+
+    def command(script, out_dir, *extra):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                "--data", str(tmp_path / "text.txt"), "--tokenizer", "bpe:300", "--preset", "llama-tiny",
+                "--context-length", "16", "--batch-size", "2", "--out-dir", str(out_dir), "--eval-tokens", "128",
+                "--final-eval-tokens", "256", "--peak-tflops", "1", "--no-progress", "--device", "cpu",
+                "--parallel", parallel, "--max-steps", "20", "--checkpoint-interval", "5", "--eval-interval", "10",
+                "--sample-interval", "1000", *extra]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    died = run(command(tmp_path / "killing.py", killed), env=env, timeout=400)
+    assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr
+    assert (killed / "metrics.jsonl").read_text().count("\n") == 15
+    assert read_meta(killed / "checkpoint")["step"] == 10  # not a half-written step 15
+
+    resumed = run(command(script, killed, "--resume"), env=env, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    uninterrupted = run(command(script, straight), env=env, timeout=400)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+
+    def records(folder):
+        return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert [r["step"] for r in records(killed)] == list(range(1, 21))
+    assert [r["loss"] for r in records(killed)] == [r["loss"] for r in records(straight)]  # exact float equality
+    assert ([r["val_loss"] for r in records(killed) if "val_loss" in r]
+            == [r["val_loss"] for r in records(straight) if "val_loss" in r])
+    assert (json.loads((killed / "summary.json").read_text())["val_loss"]
+            == json.loads((straight / "summary.json").read_text())["val_loss"])
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(DESIGNS))
 def test_each_rank_holds_about_half_of_the_parameters_and_optimizer_state(sharded_runs, name):
     _, ranks = sharded_runs
     torch.manual_seed(0)
-    model = GPT(model_config(**MODELS[name]))
+    model = GPT(model_config(**DESIGNS[name]))
     total = local_bytes(model)["parameters"]  # a tied matrix once
     for key, whole in (("parameters", total), ("optimizer", 2 * total)):  # AdamW: two moments per weight
         shards = [ranks[r][name]["bytes_after"][key] for r in range(2)]
@@ -195,7 +286,7 @@ def test_each_rank_holds_about_half_of_the_parameters_and_optimizer_state(sharde
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(DESIGNS))
 def test_sharded_checkpoints_resume_exactly_and_across_process_counts(sharded_runs, name):
     out, ranks = sharded_runs
     result = ranks[0][name]
@@ -213,7 +304,7 @@ def test_sharded_checkpoints_resume_exactly_and_across_process_counts(sharded_ru
     # 2 -> 1: one unsharded process loads the 2-process checkpoint of step 6 and trains on.
     folder = out / name / "two_to_one"
     shutil.copytree(out / name / "straight", folder)
-    alone = make_trainer(folder, MODELS[name], max_steps=8, **SETTINGS)
+    alone = make_trainer(folder, DESIGNS[name], max_steps=8, **SETTINGS)
     with pytest.warns(UserWarning, match="written by 2 process"):
         alone.load()
     assert alone.step == STEPS

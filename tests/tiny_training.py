@@ -32,6 +32,13 @@ def tokens() -> tuple[np.ndarray, np.ndarray]:
     return train, val
 
 
+# The two designs the distributed tests train: Llama-style with grouped-query attention (4 query heads,
+# 2 key/value heads; untied head) and GPT-2-style (biases, learned positions, tied head).
+DESIGNS = {"llama": {"tie_embeddings": False},
+           "gpt2": {"norm": "layernorm", "mlp": "gelu", "position": "learned", "qkv_bias": True, "bias": True,
+                    "n_kv_heads": None, "tie_embeddings": True}}
+
+
 def model_config(**overrides) -> GPTConfig:
     fields = dict(vocab_size=320, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                   norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
@@ -61,11 +68,11 @@ def losses(trainer: Trainer) -> list[float]:
 
 
 class JointBatches:
-    """What the two processes see together: rank 0's micro-batch, then rank 1's, as one batch."""
+    """What two data-parallel ranks see together: rank 0's micro-batch, then rank 1's, as one batch."""
 
-    def __init__(self, train: np.ndarray):
-        self.streams = [RandomWindowBatches(train, 2, 16, seed=0, rank=r, world_size=2) for r in range(2)]
+    def __init__(self, train: np.ndarray, batch_size: int = 2, seed: int = 0):
+        self.streams = [RandomWindowBatches(train, batch_size, 16, seed=seed, rank=r, world_size=2) for r in range(2)]
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [next(stream) for stream in self.streams]  # (2, 16) inputs and targets each
-        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (4, 16) each
+        parts = [next(stream) for stream in self.streams]  # (B, 16) inputs and targets each
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])  # (2B, 16) each
