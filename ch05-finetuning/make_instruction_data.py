@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from llmscratch.assets import INSTRUCTIONS_PATH, read_moby_dick
+from llmscratch.assets import INSTRUCTIONS_PATH, dumps_records, read_moby_dick
 from llmscratch.instruct import validate_records
 
 SPLITS = {"train": 0.7, "validation": 0.1, "test": 0.2}
@@ -164,11 +164,6 @@ def make_records(per_family: int, seed: int) -> list[dict]:
     return records
 
 
-def dumps(records: list[dict]) -> str:
-    """One record per line: readable diffs, still a plain JSON list."""
-    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]\n"
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -181,7 +176,7 @@ def main(argv=None) -> None:
     if args.per_family < 10:
         parser.error(f"--per-family must be at least 10 (to fill the three splits), got {args.per_family}")
     try:
-        text = dumps(make_records(args.per_family, args.seed))
+        text = dumps_records(make_records(args.per_family, args.seed))
     except ValueError as err:
         sys.exit(f"error: {err}")
     if args.check:

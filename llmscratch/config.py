@@ -16,7 +16,7 @@ import torch
 from llmscratch.device import DTYPES
 from llmscratch.lora import LoRAConfig
 
-__all__ = ["ConfigError", "FinetuneConfig", "PARALLEL", "TRAINABLE", "TrainConfig", "setting"]
+__all__ = ["ConfigError", "DPOConfig", "FinetuneConfig", "PARALLEL", "TRAINABLE", "TrainConfig", "setting"]
 
 # How several processes share the model (llmscratch.parallel).
 PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")
@@ -183,3 +183,17 @@ class FinetuneConfig:
         return TrainConfig(max_steps=steps, batch_size=self.batch_size, lr=self.lr, min_lr=self.lr * self.min_lr_ratio,
                            warmup_steps=int(self.warmup_fraction * steps), weight_decay=self.weight_decay,
                            grad_clip=self.grad_clip, dtype=self.dtype, seed=self.seed)
+
+
+@dataclass
+class DPOConfig(FinetuneConfig):
+    """How to tune on preference pairs with DPO (``llmscratch.preference``): a finetuning run, plus DPO's settings."""
+
+    batch_size: int = setting(8, "preference pairs per optimizer step (twice as many rows)", positive_int)
+    beta: float = setting(0.1, "DPO's pull towards the starting model: small lets the model drift far from it",
+                          positive)
+    label_smoothing: float = setting(0.0, "the assumed chance that a pair's preference is wrong (conservative "
+                                          "DPO); 0 trusts every pair",
+                                     lambda value: None if 0 <= value < 0.5 else "must be in [0, 0.5)")
+    sft_weight: float = setting(0.0, "weight of the chosen answers' next-token loss, added to DPO's to keep their "
+                                     "likelihood up (RPO); 0: DPO alone", non_negative)

@@ -311,20 +311,30 @@ def _choice_row(context_ids: list[int], choice_ids: list[int], context_length: i
 
 
 def multiple_choice_accuracy(model: nn.Module, tokenizer, items: Sequence[dict], delimiter: str = " ",
-                             z: float = 1.96) -> dict:
+                             z: float = 1.96, unconditional_context: str | None = None) -> dict:
     """Accuracy of the top choice by summed and by per-character log-likelihood, each with a Wilson interval.
 
     ``items`` are ``{"context": str, "choices": [str, ...], "answer": index of the right choice}``.
+    ``unconditional_context`` (e.g. "" or a bare answer header): also rank the choices by how much the
+    item's context raises their log-likelihood over this context, log p(choice | context) - log
+    p(choice | unconditional), as "accuracy_context_gain" (pointwise mutual information, the ranking GPT-3
+    used on some benchmarks): a choice that is likely text in any context gains no credit for it.
     """
     if not items:
         raise ValueError("multiple_choice_accuracy needs at least one item")
     for index, item in enumerate(items):  # all checked before the first forward pass
         _check_item(index, item)
     hits = {"accuracy": 0, "accuracy_norm": 0}
+    if unconditional_context is not None:
+        hits["accuracy_context_gain"] = 0
     for item in items:
         scores = score_choices(model, tokenizer, item["context"], item["choices"], delimiter)
         hits["accuracy"] += scores.best == item["answer"]
         hits["accuracy_norm"] += scores.best_per_char == item["answer"]
+        if unconditional_context is not None:
+            alone = score_choices(model, tokenizer, unconditional_context, item["choices"], delimiter)
+            gains = [given - without for given, without in zip(scores.logprobs, alone.logprobs)]
+            hits["accuracy_context_gain"] += max(range(len(gains)), key=gains.__getitem__) == item["answer"]
     n = len(items)
     return {"n": n, **{name: k / n for name, k in hits.items()},
             **{f"{name}_interval": wilson_interval(k, n, z) for name, k in hits.items()}}

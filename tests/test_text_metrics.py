@@ -253,6 +253,24 @@ def test_multiple_choice_accuracy_counts_the_direct_argmax_with_wilson_intervals
     assert result["accuracy_norm_interval"] == pytest.approx(quadratic_wilson(hits_norm, len(items)), abs=1e-12)
 
 
+def test_context_gain_ranks_choices_by_what_the_context_adds(tokenizer):
+    model = tiny_model(tokenizer, llama=False, seed=6).double()
+    eot = tokenizer.encode("<|endoftext|>", allowed_special="all")
+    contexts = ["The dog sat on the", "A cat and a dog met on a", "the cat ran off to the"]
+    items, hits = [], 0
+    for index, context in enumerate(contexts):
+        gains = [direct_logprob(model, tokenizer.encode(context), tokenizer.encode(" " + c))
+                 - direct_logprob(model, eot, tokenizer.encode(" " + c)) for c in CHOICES]  # "" starts at eot
+        best = max(range(len(CHOICES)), key=gains.__getitem__)
+        answer = best if index != 1 else (best + 2) % len(CHOICES)
+        items.append({"context": context, "choices": CHOICES, "answer": answer})
+        hits += best == answer
+    result = multiple_choice_accuracy(model, tokenizer, items, unconditional_context="")
+    assert result["accuracy_context_gain"] == hits / len(items) == 2 / 3
+    assert result["accuracy_context_gain_interval"] == pytest.approx(quadratic_wilson(hits, len(items)), abs=1e-12)
+    assert "accuracy_context_gain" not in multiple_choice_accuracy(model, tokenizer, items)
+
+
 @pytest.mark.parametrize("choices, items, message", [
     ([], None, "non-empty strings"),
     (["mat", ""], None, "non-empty strings"),

@@ -1,0 +1,344 @@
+"""Tune the chapter-5 instruction model on preference pairs with DPO, and score it against where it started.
+
+    python ch06-alignment/finetune_preferences.py              # from runs/instructions/model.safetensors
+    python ch06-alignment/finetune_preferences.py --lora --beta 0.5
+    python ch06-alignment/finetune_preferences.py --model some/model.safetensors --test-mode
+
+Trains on the train split of the preference pairs (--data, a JSON list of records with
+instruction, input, chosen, rejected, split and optionally family), the starting model being
+the frozen reference (with --lora: the same model, adapters off). Then it scores both models:
+preference accuracy (the share of held-out pairs whose chosen answer gets the higher implicit
+reward) on the test pairs, and exact match and well-formed answers on the test split of the
+instruction data, scored as ch05-finetuning/finetune_instructions.py scores. If --model is the
+default and absent, that script trains it first. The run folder (--out-dir) gets metrics.json,
+dpo.png (loss, reward margin and held-out accuracy), comparison.md, answers.jsonl and
+model.safetensors (LoRA merged; with LoRA, adapters.safetensors too).
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from llmscratch.assets import INSTRUCTIONS_PATH, PREFERENCES_PATH
+from llmscratch.checkpoint import export_model
+from llmscratch.cli import (
+    HelpFormatter,
+    add_flags,
+    build_config,
+    finite_float,
+    refuse,
+    value_errors_exit,
+)
+from llmscratch.config import DPOConfig
+from llmscratch.device import autocast, resolve_device
+from llmscratch.evaluation import evaluating
+from llmscratch.finetune import end_of_text_id, fit, load_base, set_trainable
+from llmscratch.instruct import comparison_table, encode_records, lm_loss
+from llmscratch.lora import LoRAConfig, lora_layers, merge_lora, save_adapters
+from llmscratch.preference import (
+    DPOLoss,
+    PreferenceBatch,
+    ReferenceModel,
+    dpo_loss,
+    encode_pairs,
+    make_pair_batches,
+    precompute_reference,
+    preference_metrics,
+    sequence_logprobs,
+    validate_pairs,
+)
+
+DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
+DEFAULTS = DPOConfig(epochs=2, batch_size=8, lr=2e-5, beta=0.1, trainable="all")
+SPLITS = ("train", "validation", "test")
+TEST_MODE_PAIRS = {"train": 26, "validation": 13, "test": 13}
+
+
+def chapter5_script():
+    """ch05's finetune_instructions.py as a module: it trains a missing model, and its scores are the ones compared."""
+    path = Path(__file__).resolve().parents[1] / "ch05-finetuning" / "finetune_instructions.py"
+    spec = importlib.util.spec_from_file_location("finetune_instructions", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- flags
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                        help="the instruction model to start from (a model.safetensors of ch05-finetuning/"
+                             "finetune_instructions.py, or any model --base of that script takes); the default, "
+                             "if absent, is trained first by that script (about 15 minutes on a laptop CPU)")
+    parser.add_argument("--data", type=Path, default=PREFERENCES_PATH,
+                        help="a JSON list of preference records (instruction, input, chosen, rejected, split; "
+                             "family optional)")
+    parser.add_argument("--instructions", type=Path, default=INSTRUCTIONS_PATH,
+                        help="the instruction records whose test split is answered to score exact match and "
+                             "well-formed answers (as ch05's --data)")
+    add_flags(parser, DEFAULTS, "beta", "label_smoothing", "sft_weight", "trainable", "last_k")
+    parser.add_argument("--lora", action="store_true", help="shorthand for --trainable lora (here the adapters alone: the head stays as it "
+                             "was, so the model with its adapters off is exactly the reference)")
+    parser.add_argument("--lora-rank", type=int, default=DEFAULTS.lora.rank, help="rank of the LoRA matrices")
+    parser.add_argument("--lora-alpha", type=finite_float, default=DEFAULTS.lora.alpha,
+                        help="LoRA scale: the update is multiplied by alpha / rank")
+    add_flags(parser, DEFAULTS, "epochs", "lr", "batch_size", "warmup_fraction", "dtype", "seed")
+    parser.add_argument("--max-new-tokens", type=int, default=24,
+                        help="longest answer generated per test prompt (as ch05's script)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/preferences"), help="the run folder")
+    parser.add_argument("--test-mode", action="store_true",
+                        help="a smoke test in seconds: 2 training pairs per family, 1 epoch, 13 held-out pairs "
+                             "and 13 test prompts, answers of at most 8 tokens")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    check_flags(parser, args)
+    return args
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error (exit status 2, naming the flag) for a flag that cannot work; resolves --device."""
+    if not args.model.exists() and args.model != DEFAULT_MODEL:  # only the default is trained when missing
+        parser.error(f"--model {args.model}: no such file or folder (expected a model.safetensors of "
+                     "ch05-finetuning/finetune_instructions.py)")
+    for name in ("data", "instructions"):
+        if not getattr(args, name).is_file():
+            parser.error(f"--{name} {getattr(args, name)}: no such file")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
+    try:
+        dpo_config(args)  # made again by run(): refused here, before any work
+    except ValueError as err:
+        refuse(parser, err)
+    if args.test_mode:
+        args.max_new_tokens = min(args.max_new_tokens, 8)
+
+
+def dpo_config(args: argparse.Namespace) -> DPOConfig:
+    """The DPOConfig the flags describe: --lora is trainable lora, --test-mode one epoch."""
+    lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha)
+    config = build_config(DPOConfig, args, lora=lora, trainable="lora" if args.lora else args.trainable)
+    return dataclasses.replace(config, epochs=1) if args.test_mode else config
+
+
+# --------------------------------------------------------------------------- data
+def read_pairs(path: Path, test_mode: bool) -> dict[str, list[dict]]:
+    """The preference records of each split (ValueError naming a malformed record or a missing split)."""
+    try:
+        records = validate_pairs(json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a JSON file: {err}") from None
+    for index, record in enumerate(records):
+        if record.get("split") not in SPLITS:
+            raise ValueError(f"{path}, record {index}: field 'split' is {record.get('split')!r}, "
+                             f"expected one of {SPLITS}")
+    splits = {name: [r for r in records if r["split"] == name] for name in SPLITS}
+    if test_mode:  # spread evenly over each split, so every family is seen
+        splits = {name: split[:: max(1, len(split) // TEST_MODE_PAIRS[name])][: TEST_MODE_PAIRS[name]]
+                  for name, split in splits.items()}
+    for name in ("train", "test"):
+        if not splits[name]:
+            raise ValueError(f"{path} has no {name!r} pairs")
+    return splits
+
+
+def pair_batches(splits: dict[str, list[dict]], tokenizer, reference: ReferenceModel, config: DPOConfig,
+                 context_length: int) -> dict[str, list[PreferenceBatch]]:
+    """Each split's batches with the reference's log-probabilities computed once: the reference never changes."""
+    eos_id = end_of_text_id(tokenizer)
+    batches = {}
+    for name, records in splits.items():
+        if not records:
+            batches[name] = []
+            continue
+        try:
+            pairs = encode_pairs(records, tokenizer, context_length)
+        except ValueError as err:
+            raise ValueError(f"{name!r} pairs: {err}") from None
+        batches[name] = precompute_reference(reference, make_pair_batches(pairs, config.batch_size, eos_id,
+                                                                          context_length), config.torch_dtype)
+    return batches
+
+
+# --------------------------------------------------------------------------- training and scores
+def train(model: torch.nn.Module, batches: dict[str, list[PreferenceBatch]], config: DPOConfig,
+          device: torch.device, progress: bool) -> tuple[list[dict], list[dict]]:
+    """DPO on the train batches with ``finetune.fit``; returns its epoch records and one record per step.
+
+    The batches keep their rows (their reference log-probabilities are precomputed); each epoch
+    takes them in a new seeded order. After each epoch, the validation pairs are scored.
+    """
+    dpo = DPOLoss(None, config.beta, config.label_smoothing)  # every batch carries its reference log-probabilities
+    steps: list[dict] = []
+
+    def step_loss(policy: torch.nn.Module, batch: PreferenceBatch) -> torch.Tensor:
+        loss = dpo(policy, batch)
+        record = {"step": len(steps) + 1, "dpo_loss": loss.item(), **dpo.take_metrics()}
+        if config.sft_weight > 0:  # DPO lowers the chosen answers' likelihood too; this holds it up
+            chosen = batch.n_pairs
+            sft = lm_loss(policy, (batch.inputs[:chosen], batch.targets[:chosen]))  # () per chosen-answer token
+            loss = loss + config.sft_weight * sft
+            record["sft_loss"] = sft.item()
+        steps.append({**record, "loss": loss.item()})
+        return loss
+
+    def epoch_batches(epoch: int) -> list[PreferenceBatch]:
+        order = torch.randperm(len(batches["train"]), generator=torch.Generator().manual_seed(config.seed + epoch))
+        return [batches["train"][i] for i in order.tolist()]
+
+    validation = batches["validation"]
+    history = fit(model, epoch_batches, step_loss, config, device,
+                  evaluate=(lambda: preference_scores(model, validation, config)) if validation else None,
+                  progress=progress, description="DPO")
+    return history, steps
+
+
+@torch.no_grad()
+def preference_scores(model: torch.nn.Module, batches: list[PreferenceBatch], config: DPOConfig) -> dict[str, float]:
+    """DPO loss, reward accuracy, margin and rewards over every pair of the batches (each pair counts once),
+    and likelihood_accuracy: how often the model itself gives the chosen answer the higher log-probability."""
+    device = next(model.parameters()).device
+    totals = dict.fromkeys(("loss", "accuracy", "margin", "chosen_reward", "rejected_reward",
+                            "likelihood_accuracy"), 0.0)
+    pairs = 0
+    with evaluating(model):
+        for batch in batches:
+            with autocast(device, config.torch_dtype):
+                logprobs, tokens = sequence_logprobs(model, batch.inputs.to(device), batch.targets.to(device))  # (2B,)
+            reference, n = batch.reference_logprobs.to(device), batch.n_pairs  # (2B,)
+            loss, chosen, rejected = dpo_loss(logprobs[:n], logprobs[n:], reference[:n], reference[n:], config.beta,
+                                              config.label_smoothing)  # (), (B,), (B,)
+            metrics = preference_metrics(chosen, rejected, tokens[:n], config.beta)
+            for name in ("accuracy", "margin", "chosen_reward", "rejected_reward"):
+                totals[name] += metrics[name].item() * n
+            totals["loss"] += loss.item() * n
+            totals["likelihood_accuracy"] += (logprobs[:n] > logprobs[n:]).sum().item()
+            pairs += n
+    return {name: total / pairs for name, total in totals.items()}
+
+
+# --------------------------------------------------------------------------- the run folder
+def plot(steps: list[dict], history: list[dict], steps_per_epoch: int, test_accuracy: float, path: Path) -> None:
+    """dpo.png: the DPO loss and reward margin per step, validation scores after each epoch, test accuracy at the end."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend
+
+    fig = Figure(figsize=(11, 3.6))
+    loss_ax, margin_ax, accuracy_ax = fig.subplots(1, 3)
+    x = [s["step"] for s in steps]
+    loss_ax.plot(x, [s["loss"] for s in steps], lw=0.8, label="train batch")
+    margin_ax.plot(x, [s["margin"] for s in steps], lw=0.8, label="train batch")
+    accuracy_ax.plot(x, [s["accuracy"] for s in steps], lw=0.6, alpha=0.5, label="train batch")
+    held_out = [(r["epoch"] * steps_per_epoch, r) for r in history if "val_accuracy" in r]
+    if held_out:
+        ends = [step for step, _ in held_out]
+        loss_ax.plot(ends, [r["val_loss"] for _, r in held_out], "o-", label="validation")
+        margin_ax.plot(ends, [r["val_margin"] for _, r in held_out], "o-", label="validation")
+        accuracy_ax.plot(ends, [r["val_accuracy"] for _, r in held_out], "o-", label="validation")
+    accuracy_ax.plot([x[-1]], [test_accuracy], "k*", markersize=10, label="test pairs")
+    for ax, title in ((loss_ax, "DPO loss"), (margin_ax, "reward margin (chosen - rejected)"),
+                      (accuracy_ax, "preference accuracy")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def preference_table(results: dict[str, dict]) -> str:
+    """A Markdown table of the held-out pairs' scores, one column per model."""
+    names = list(results)
+    rows = [("reward accuracy (chosen above rejected)", "accuracy", "{:.1%}"),
+            ("likelihood accuracy (chosen more likely)", "likelihood_accuracy", "{:.1%}"),
+            ("mean reward margin", "margin", "{:.3f}"), ("DPO loss", "loss", "{:.3f}")]
+    lines = ["| held-out pairs | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines += [f"| {label} | " + " | ".join(form.format(results[n][key]) for n in names) + " |"
+              for label, key, form in rows]
+    return "\n".join(lines)
+
+
+def starting_model(args: argparse.Namespace, ch05) -> Path:
+    """--model, trained first by ch05's script if it is the default and absent (in test mode: a test-mode model)."""
+    if args.model.exists():
+        return args.model
+    folder = args.out_dir / "instructions" if args.test_mode else args.model.parent
+    print(f"{args.model} does not exist: training it with ch05-finetuning/finetune_instructions.py "
+          f"--out-dir {folder} first")
+    extra = ["--test-mode"] * args.test_mode + ["--no-progress"] * args.no_progress
+    ch05.main(["--out-dir", str(folder), "--data", str(args.instructions), *extra])
+    return folder / "model.safetensors"
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with value_errors_exit():  # e.g. a malformed --data record: a message, not a traceback
+        run(args, dpo_config(args))
+
+
+def run(args: argparse.Namespace, config: DPOConfig) -> None:
+    start = time.perf_counter()
+    torch.manual_seed(config.seed)
+    ch05 = chapter5_script()
+    pair_splits = read_pairs(args.data, args.test_mode)
+    instructions = ch05.read_splits(args.instructions, args.test_mode)["test"]
+    model_path = starting_model(args, ch05)
+    model, tokenizer = load_base(model_path, args.device)
+    eos_id, context, dtype = end_of_text_id(tokenizer), model.config.context_length, config.torch_dtype
+    try:
+        encoded = encode_records(instructions, tokenizer, context)
+    except ValueError as err:
+        raise ValueError(f"{args.instructions}, 'test' split: {err}") from None
+    print(f"{model_path}: {model.num_params():,} parameters; pairs per split: "
+          + ", ".join(f"{name} {len(split)}" for name, split in pair_splits.items())
+          + f"; {len(instructions)} instruction test prompts")
+
+    start_scores, start_answers = ch05.score(model, tokenizer, instructions, encoded, eos_id, args, context, dtype)
+    # LoRA: adapters only, so that the policy with its adapters off is exactly the starting model.
+    trainable = set_trainable(model, config, always=[] if config.trainable == "lora" else [model.lm_head])
+    batches = pair_batches(pair_splits, tokenizer, ReferenceModel(model), config, context)
+    start_pairs = preference_scores(model, batches["test"], config)
+    print(f"instruction model: exact match {start_scores['exact_match']:.1%}, well-formed "
+          f"{start_scores['well_formed']:.1%}, likelihood accuracy {start_pairs['likelihood_accuracy']:.1%}; "
+          f"training {trainable:,} parameters ({config.trainable})")
+
+    history, steps = train(model, batches, config, args.device, progress=not args.no_progress)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if lora_layers(model):
+        save_adapters(model, args.out_dir / "adapters.safetensors")
+        merge_lora(model)
+    pairs = preference_scores(model, batches["test"], config)
+    scores, answers = ch05.score(model, tokenizer, instructions, encoded, eos_id, args, context, dtype)
+    seconds = time.perf_counter() - start
+
+    export_model(model, args.out_dir / "model.safetensors", tokenizer)
+    plot(steps, history, len(batches["train"]), pairs["accuracy"], args.out_dir / "dpo.png")
+    table = (comparison_table({"instruction model": start_scores, "DPO": scores}) + "\n\n"
+             + preference_table({"instruction model": start_pairs, "DPO": pairs}))
+    (args.out_dir / "comparison.md").write_text(table + "\n", encoding="utf-8")
+    lines = [json.dumps({**record, "instruction_model": before.text, "dpo": after.text,
+                         "dpo_well_formed": after.well_formed}, ensure_ascii=False) + "\n"
+             for record, before, after in zip(instructions, start_answers, answers)]
+    (args.out_dir / "answers.jsonl").write_text("".join(lines), encoding="utf-8")
+    metrics = {"instruction_model": {**start_scores, "pairs": start_pairs}, "dpo": {**scores, "pairs": pairs},
+               "history": history, "steps": steps, "seconds": seconds, "trainable_parameters": trainable,
+               "starting_model": str(model_path), "data": str(args.data),
+               "pairs_per_split": {name: len(split) for name, split in pair_splits.items()},
+               "config": {**vars(config), "lora": vars(config.lora)}}
+    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    print(table)
+    print(f"{seconds:.0f} s in all; saved {args.out_dir}/: metrics.json, dpo.png, comparison.md, answers.jsonl, "
+          "model.safetensors")
+
+
+if __name__ == "__main__":
+    main()
