@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.common import add_threads_flag, machine_description, set_threads
 from llmscratch.assets import read_moby_dick
+from llmscratch.data import split_text
 from llmscratch.device import autocast
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.profiling import round_robin
@@ -40,10 +41,10 @@ BASELINE_TRAIN = dict(batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100, bet
 
 def byte_data() -> tuple[BPETokenizer, np.ndarray, np.ndarray]:
     text = read_moby_dick()
-    split = int(len(text) * 0.9)  # the same character split as pretrain.py and nanoGPT's prepare.py
-    tokenizer = BPETokenizer.train(text[:split], 256, name="bytes")  # no merges: one token per byte
-    train = np.frombuffer(text[:split].encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-    val = np.frombuffer(text[split:].encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    train_text, val_text = split_text(text, 0.1)  # the same character split as pretrain.py and nanoGPT's prepare.py
+    tokenizer = BPETokenizer.train(train_text, 256, name="bytes")  # no merges: one token per byte
+    train = np.frombuffer(train_text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    val = np.frombuffer(val_text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
     return tokenizer, train, val
 
 

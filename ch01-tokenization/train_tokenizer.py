@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from llmscratch.assets import MOBY_DICK_PATH
+from llmscratch.data import split_text
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, check_special_tokens
 
 
@@ -88,8 +89,7 @@ def bytes_per_token(tokenizer: BPETokenizer, text: str) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     text = read_inputs(args.input)
-    split = int(len(text) * (1 - args.val_fraction))
-    train_text, held_out = text[:split], text[split:]
+    train_text, held_out = split_text(text, args.val_fraction)
     inputs = " ".join(str(path) for path in args.input)
     if not train_text.strip():
         sys.exit(f"error: the training part of --input {inputs} (the first {1 - args.val_fraction:.0%}) "

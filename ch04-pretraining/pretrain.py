@@ -31,7 +31,7 @@ from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.atomic import remove_stale_temporaries, write_text_atomically
 from llmscratch.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.cli import HelpFormatter, add_flags, build_config, finite_float, refuse
-from llmscratch.data import load_token_meta, load_token_split
+from llmscratch.data import load_token_meta, load_token_split, split_text
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
 from llmscratch.parallel import mesh_shape
 from llmscratch.model import GPT, PRESETS, GPTConfig
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     add_flags(t, DEFAULTS, "max_steps", "batch_size", "grad_accum", "lr")
     t.add_argument("--min-lr", type=finite_float, default=None, help="end of the cosine decay (default: lr / 10)")
-    add_flags(t, DEFAULTS, "warmup_steps", "weight_decay", "grad_clip")
+    add_flags(t, DEFAULTS, "warmup_steps", "weight_decay", "grad_clip", "optimizer", "muon_momentum")
     t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
                         "on older GPUs, float32 on CPU")
@@ -261,8 +261,7 @@ def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
     if not any(texts):
         raise ValueError(f"--data {' '.join(map(str, args.data))}: no text (empty file{'s' * (len(texts) > 1)})")
     text = ENDOFTEXT.join(texts)  # documents separated by the end-of-text token
-    split = int(len(text) * (1 - args.val_fraction))  # by characters, as nanoGPT's char-level recipe splits
-    train_text, val_text = text[:split], text[split:]
+    train_text, val_text = split_text(text, args.val_fraction)  # by characters
     # Every token holds at least one byte: too few bytes is too few tokens, known before any encoding.
     check_lengths(len(train_text.encode("utf-8")), len(val_text.encode("utf-8")), context_length, "bytes",
                   val_fraction=args.val_fraction)

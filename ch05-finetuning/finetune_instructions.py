@@ -24,13 +24,11 @@ from llmscratch.checkpoint import export_model
 from llmscratch.cli import add_finetune_flags, check_finetune_flags, finetune_config, value_errors_exit
 from llmscratch.finetune import FinetuneConfig, end_of_text_id, fit, load_base, set_trainable
 from llmscratch.instruct import (
-    comparison_table, encode_records, evaluate_responses, lm_loss, make_batches, respond, response_loss,
-    validate_records,
+    comparison_table, encode_records, lm_loss, make_batches, read_instruction_splits, response_loss, score_answers,
 )
 from llmscratch.lora import lora_layers, merge_lora, save_adapters
 
 DEFAULTS = FinetuneConfig(epochs=8, batch_size=8, lr=1e-3, trainable="all")
-SPLITS = ("train", "validation", "test")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,34 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def read_splits(path: Path, test_mode: bool) -> dict[str, list[dict]]:
-    """The records of each split (ValueError naming a malformed record)."""
-    try:
-        records = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not a JSON file: {err}") from None
-    validate_records(records)
-    for index, record in enumerate(records):
-        if record.get("split") not in SPLITS:
-            raise ValueError(f"record {index}: field 'split' is {record.get('split')!r}, expected one of {SPLITS}")
-    splits = {name: [r for r in records if r["split"] == name] for name in SPLITS}
-    if test_mode:  # records spread evenly over each split: the bundled file lists them family by family
-        keep = {"train": 26, "validation": 13, "test": 13}
-        splits = {name: split[:: max(1, len(split) // keep[name])][: keep[name]] for name, split in splits.items()}
-    for name in ("train", "test"):
-        if not splits[name]:
-            raise ValueError(f"{path} has no {name!r} records")
-    return splits
-
-
-def score(model, tokenizer, records, encoded, eos_id, args, max_length, dtype) -> tuple[dict, list]:
-    """Answers to the test records, their scores, and the loss on the reference answers."""
-    answers = respond(model, tokenizer, records, args.max_new_tokens, dtype=dtype, progress=not args.no_progress)
-    scores = evaluate_responses(records, answers)
-    scores["response_loss"] = response_loss(model, encoded, eos_id, max_length=max_length, dtype=dtype)
-    return scores, answers
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     with value_errors_exit():  # e.g. a malformed --data record: a message, not a traceback
@@ -92,7 +62,7 @@ def main(argv=None) -> None:
 def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     start = time.perf_counter()
     torch.manual_seed(config.seed)
-    splits = read_splits(args.data, args.test_mode)
+    splits = read_instruction_splits(args.data, args.test_mode)
     model, tokenizer = load_base(args.base, args.device, args.tokenizer)
     eos_id = end_of_text_id(tokenizer)
     max_length = model.config.context_length
@@ -106,8 +76,9 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
           + ", ".join(f"{name} {len(split)}" for name, split in splits.items()))
     dtype = config.torch_dtype
 
-    base_scores, base_answers = score(model, tokenizer, splits["test"], encoded["test"], eos_id, args,
-                                      max_length, dtype)  # before any change: the base model's scores
+    progress = not args.no_progress
+    base_scores, base_answers = score_answers(model, tokenizer, splits["test"], encoded["test"], eos_id,
+                                              args.max_new_tokens, dtype, progress)  # before any change
     print(f"base model: exact match {base_scores['exact_match']:.1%}, "
           f"response loss {base_scores['response_loss']:.3f}")
 
@@ -120,12 +91,13 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
                   lm_loss, config, args.device,
                   evaluate=(lambda: {"response_loss": response_loss(model, validation, eos_id, max_length=max_length,
                                                                     dtype=dtype)}) if validation else None,
-                  progress=not args.no_progress, description="instructions")
+                  progress=progress, description="instructions")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if lora_layers(model):
         save_adapters(model, args.out_dir / "adapters.safetensors")
         merge_lora(model)
-    scores, answers = score(model, tokenizer, splits["test"], encoded["test"], eos_id, args, max_length, dtype)
+    scores, answers = score_answers(model, tokenizer, splits["test"], encoded["test"], eos_id, args.max_new_tokens,
+                                    dtype, progress)
     seconds = time.perf_counter() - start
 
     export_model(model, args.out_dir / "model.safetensors", tokenizer)

@@ -13,7 +13,6 @@ no test prompt is ever seen in training. The output is the same for the same --s
 """
 
 import argparse
-import json
 import random
 import re
 import string
@@ -22,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from llmscratch.assets import INSTRUCTIONS_PATH, dumps_records, read_moby_dick
+from llmscratch.assets import INSTRUCTIONS_PATH, read_moby_dick, write_or_check_records
 from llmscratch.instruct import validate_records
 
 SPLITS = {"train": 0.7, "validation": 0.1, "test": 0.2}
@@ -176,16 +175,14 @@ def main(argv=None) -> None:
     if args.per_family < 10:
         parser.error(f"--per-family must be at least 10 (to fill the three splits), got {args.per_family}")
     try:
-        text = dumps_records(make_records(args.per_family, args.seed))
+        records = make_records(args.per_family, args.seed)
+        write_or_check_records({args.out: records}, args.check)
     except ValueError as err:
         sys.exit(f"error: {err}")
     if args.check:
-        if not args.out.is_file() or args.out.read_text(encoding="utf-8") != text:
-            sys.exit(f"error: {args.out} is not what this script generates; run it without --check")
         print(f"{args.out} is up to date")
         return
-    args.out.write_text(text, encoding="utf-8")
-    counts = Counter(r["split"] for r in json.loads(text))
+    counts = Counter(r["split"] for r in records)
     print(f"wrote {sum(counts.values()):,} records to {args.out}: {dict(counts)}")
 
 

@@ -17,8 +17,9 @@ model.safetensors (LoRA merged; with LoRA, adapters.safetensors too).
 
 import argparse
 import dataclasses
-import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +39,15 @@ from llmscratch.config import DPOConfig
 from llmscratch.device import autocast, resolve_device
 from llmscratch.evaluation import evaluating
 from llmscratch.finetune import end_of_text_id, fit, load_base, set_trainable
-from llmscratch.instruct import comparison_table, encode_records, lm_loss
+from llmscratch.instruct import (
+    comparison_table,
+    encode_records,
+    lm_loss,
+    read_instruction_splits,
+    read_json_records,
+    score_answers,
+    split_records,
+)
 from llmscratch.lora import LoRAConfig, lora_layers, merge_lora, save_adapters
 from llmscratch.preference import (
     DPOLoss,
@@ -55,17 +64,15 @@ from llmscratch.preference import (
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
 DEFAULTS = DPOConfig(epochs=2, batch_size=8, lr=2e-5, beta=0.1, trainable="all")
-SPLITS = ("train", "validation", "test")
-TEST_MODE_PAIRS = {"train": 26, "validation": 13, "test": 13}
 
 
-def chapter5_script():
-    """ch05's finetune_instructions.py as a module: it trains a missing model, and its scores are the ones compared."""
-    path = Path(__file__).resolve().parents[1] / "ch05-finetuning" / "finetune_instructions.py"
-    spec = importlib.util.spec_from_file_location("finetune_instructions", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def train_instruction_model(argv: list[str]) -> None:
+    """Run ch05-finetuning/finetune_instructions.py with ``argv`` (it trains the model this script starts from)."""
+    script = Path(__file__).resolve().parents[1] / "ch05-finetuning" / "finetune_instructions.py"
+    status = subprocess.run([sys.executable, str(script), *argv], check=False).returncode
+    if status != 0:  # its own message is printed above
+        raise ValueError(f"{script.name} {' '.join(argv)} failed (exit status {status}), so there is no model to "
+                         "start from")
 
 
 # --------------------------------------------------------------------------- flags
@@ -134,21 +141,10 @@ def dpo_config(args: argparse.Namespace) -> DPOConfig:
 def read_pairs(path: Path, test_mode: bool) -> dict[str, list[dict]]:
     """The preference records of each split (ValueError naming a malformed record or a missing split)."""
     try:
-        records = validate_pairs(json.loads(path.read_text(encoding="utf-8")))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not a JSON file: {err}") from None
-    for index, record in enumerate(records):
-        if record.get("split") not in SPLITS:
-            raise ValueError(f"{path}, record {index}: field 'split' is {record.get('split')!r}, "
-                             f"expected one of {SPLITS}")
-    splits = {name: [r for r in records if r["split"] == name] for name in SPLITS}
-    if test_mode:  # spread evenly over each split, so every family is seen
-        splits = {name: split[:: max(1, len(split) // TEST_MODE_PAIRS[name])][: TEST_MODE_PAIRS[name]]
-                  for name, split in splits.items()}
-    for name in ("train", "test"):
-        if not splits[name]:
-            raise ValueError(f"{path} has no {name!r} pairs")
-    return splits
+        records = validate_pairs(read_json_records(path))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return split_records(records, path, test_mode)
 
 
 def pair_batches(splits: dict[str, list[dict]], tokenizer, reference: ReferenceModel, config: DPOConfig,
@@ -266,7 +262,7 @@ def preference_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def starting_model(args: argparse.Namespace, ch05) -> Path:
+def starting_model(args: argparse.Namespace, train=train_instruction_model) -> Path:
     """--model, trained first by ch05's script if it is the default and absent (in test mode: a test-mode model)."""
     if args.model.exists():
         return args.model
@@ -274,7 +270,7 @@ def starting_model(args: argparse.Namespace, ch05) -> Path:
     print(f"{args.model} does not exist: training it with ch05-finetuning/finetune_instructions.py "
           f"--out-dir {folder} first")
     extra = ["--test-mode"] * args.test_mode + ["--no-progress"] * args.no_progress
-    ch05.main(["--out-dir", str(folder), "--data", str(args.instructions), *extra])
+    train(["--out-dir", str(folder), "--data", str(args.instructions), *extra])
     return folder / "model.safetensors"
 
 
@@ -288,10 +284,9 @@ def main(argv=None) -> None:
 def run(args: argparse.Namespace, config: DPOConfig) -> None:
     start = time.perf_counter()
     torch.manual_seed(config.seed)
-    ch05 = chapter5_script()
     pair_splits = read_pairs(args.data, args.test_mode)
-    instructions = ch05.read_splits(args.instructions, args.test_mode)["test"]
-    model_path = starting_model(args, ch05)
+    instructions = read_instruction_splits(args.instructions, args.test_mode)["test"]
+    model_path = starting_model(args)
     model, tokenizer = load_base(model_path, args.device)
     eos_id, context, dtype = end_of_text_id(tokenizer), model.config.context_length, config.torch_dtype
     try:
@@ -302,7 +297,9 @@ def run(args: argparse.Namespace, config: DPOConfig) -> None:
           + ", ".join(f"{name} {len(split)}" for name, split in pair_splits.items())
           + f"; {len(instructions)} instruction test prompts")
 
-    start_scores, start_answers = ch05.score(model, tokenizer, instructions, encoded, eos_id, args, context, dtype)
+    progress = not args.no_progress
+    start_scores, start_answers = score_answers(model, tokenizer, instructions, encoded, eos_id, args.max_new_tokens,
+                                                dtype, progress)
     # LoRA: adapters only, so that the policy with its adapters off is exactly the starting model.
     trainable = set_trainable(model, config, always=[] if config.trainable == "lora" else [model.lm_head])
     batches = pair_batches(pair_splits, tokenizer, ReferenceModel(model), config, context)
@@ -311,13 +308,14 @@ def run(args: argparse.Namespace, config: DPOConfig) -> None:
           f"{start_scores['well_formed']:.1%}, likelihood accuracy {start_pairs['likelihood_accuracy']:.1%}; "
           f"training {trainable:,} parameters ({config.trainable})")
 
-    history, steps = train(model, batches, config, args.device, progress=not args.no_progress)
+    history, steps = train(model, batches, config, args.device, progress=progress)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if lora_layers(model):
         save_adapters(model, args.out_dir / "adapters.safetensors")
         merge_lora(model)
     pairs = preference_scores(model, batches["test"], config)
-    scores, answers = ch05.score(model, tokenizer, instructions, encoded, eos_id, args, context, dtype)
+    scores, answers = score_answers(model, tokenizer, instructions, encoded, eos_id, args.max_new_tokens, dtype,
+                                    progress)
     seconds = time.perf_counter() - start
 
     export_model(model, args.out_dir / "model.safetensors", tokenizer)

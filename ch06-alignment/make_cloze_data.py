@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from llmscratch.assets import MOBY_CLOZE_PATH, dumps_records, read_moby_dick
+from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick, write_or_check_records
 from llmscratch.report import VAL_FRACTION, held_out_moby_dick
 
 # A sentence end: the mark and any closing quotes or bracket, then whitespace before a capital
@@ -123,15 +123,12 @@ def main(argv=None) -> None:
     held_out = held_out_moby_dick(text)
     try:
         items = make_items(held_out, text[: len(text) - len(held_out)], args.seed)
+        write_or_check_records({args.out: items}, args.check)
     except ValueError as err:
         sys.exit(f"error: {err}")
-    output = dumps_records(items)
     if args.check:
-        if not args.out.is_file() or args.out.read_text(encoding="utf-8") != output:
-            sys.exit(f"error: {args.out} is not what this script generates; run it without --check")
         print(f"{args.out} is up to date")
         return
-    args.out.write_text(output, encoding="utf-8")
     print(f"wrote {len(items):,} items to {args.out} (from the last {VAL_FRACTION:.0%} of Moby-Dick, "
           f"{len(held_out):,} characters)")
 

@@ -40,14 +40,14 @@ from llmscratch.assets import (
     INSTRUCTIONS_PATH,
     PREFERENCES_PATH,
     dumps_records,
+    write_or_check_records,
 )
 from llmscratch.evaluation import exact_match, normalize_answer
-from llmscratch.instruct import format_prompt, validate_records
+from llmscratch.instruct import SPLITS, format_prompt, validate_records
 from llmscratch.preference import validate_pairs
 
 N_WRONG_CHOICES = 3  # a multiple-choice item has the right answer and three wrong ones
 MAX_NEW_TOKENS = 24  # as ch05-finetuning/finetune_instructions.py scores the model
-SPLITS = ("train", "validation", "test")
 ANSWER_FIELDS = {"instruction": str, "input": str, "answer": str, "well_formed": bool}  # one answer's, and their types
 
 LETTERS = re.compile(r"[a-z]( [a-z])*")
@@ -290,22 +290,6 @@ def read_json(path: Path, what: str):
         raise ValueError(f"{path} is not a JSON file ({what}): {err}") from None
 
 
-def first_difference(path: Path, expected: list[dict]) -> str | None:
-    """A message naming the first record of ``path`` that differs from ``expected``, or None if none does."""
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        return f"{path} cannot be read as JSON: {err}"
-    for index, (old, new) in enumerate(zip(found, expected)):
-        if old != new:
-            return f"{path}: record {index} differs: the file has {old}, the rebuild gives {new}"
-    if len(found) != len(expected):
-        return f"{path} has {len(found)} records, the rebuild gives {len(expected)}"
-    if path.read_text(encoding="utf-8") != dumps_records(expected):
-        return f"{path} holds the same records but not in this script's layout (one record per line)"
-    return None
-
-
 # --------------------------------------------------------------------------- the command line
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -356,16 +340,10 @@ def run(args: argparse.Namespace, command: str) -> None:
         raise ValueError(f"{args.answers}: expected {{'model': ..., 'answers': [...]}}, as --answers-from "  # noqa: TRY004
                          "writes")
     pairs, items = build(records, answers["answers"], args.seed)
+    write_or_check_records({args.preferences: pairs, args.choices: items}, args.check)
     if args.check:
-        problems = [first_difference(path, expected) for path, expected in
-                    ((args.preferences, pairs), (args.choices, items))]
-        problems = [p for p in problems if p]
-        if problems:
-            sys.exit("error: " + "\n".join(problems) + "\nrun the script without --check to rebuild")
         print(f"{args.preferences} and {args.choices} are up to date")
         return
-    args.preferences.write_text(dumps_records(pairs), encoding="utf-8")
-    args.choices.write_text(dumps_records(items), encoding="utf-8")
     sources = Counter((p["split"], "on-policy" if p["source"] == "on-policy" else "rule") for p in pairs)
     print(f"wrote {len(pairs):,} pairs to {args.preferences}: "
           + ", ".join(f"{split} {sources[split, 'on-policy']} on-policy + {sources[split, 'rule']} rule"

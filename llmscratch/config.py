@@ -20,6 +20,7 @@ __all__ = ["ConfigError", "DPOConfig", "FinetuneConfig", "PARALLEL", "TRAINABLE"
 
 # How several processes share the model (llmscratch.parallel).
 PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")
+OPTIMIZERS = ("adamw", "muon")
 
 Check = Callable[[Any], str | None]  # the problem with a value ("must be ..."), or None when it is fine
 
@@ -91,6 +92,11 @@ class TrainConfig:
     min_lr: float = setting(1e-4, "end of the cosine decay", non_negative)  # and at most lr
     warmup_steps: int = setting(100, "linear warmup steps", non_negative)
     weight_decay: float = setting(0.1, "AdamW weight decay on weight matrices", non_negative)
+    optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' weight "
+                                      "matrices and AdamW for embeddings, head and gains, at the same lr",
+                             choices=OPTIMIZERS)
+    muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)",
+                                   lambda value: None if 0 <= value < 1 else "must be in [0, 1)")
     beta1: float = 0.9  # AdamW's betas, checked as a pair below
     beta2: float = 0.95
     grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 turns it off", non_negative)
@@ -138,6 +144,9 @@ class TrainConfig:
         if self.parallel != "ddp" and self.dtype == "float16":
             raise ConfigError("parallel", f"cannot be {self.parallel} with dtype float16 (its gradient scaler does "
                                           f"not handle sharded gradients): use bfloat16 or float32", self.parallel)
+        if self.optimizer == "muon" and self.parallel != "ddp":
+            raise ConfigError("optimizer", f"cannot be muon with parallel={self.parallel}: Muon orthogonalises whole "
+                                           "weight matrices, which sharding splits (use ddp or adamw)", self.optimizer)
         if self.tp != 1 and self.parallel != "fsdp+tp":
             raise ConfigError("tp", f"is the group size of --parallel fsdp+tp and must be 1 with parallel="
                                     f"{self.parallel} (tp uses every process)", self.tp)

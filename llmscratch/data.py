@@ -73,6 +73,18 @@ class SlidingWindowDataset(Dataset):
         return window[:-1], window[1:]  # (max_length,), (max_length,)
 
 
+def split_text(text: str, val_fraction: float) -> tuple[str, str]:
+    """``text`` cut by characters into its first ``1 - val_fraction`` and its last ``val_fraction``.
+
+    The train/validation split of the chapter scripts (as nanoGPT's character-level recipe cuts);
+    the held-out tenth of Moby-Dick that every model of the course is scored on is its second part.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    cut = int(len(text) * (1 - val_fraction))
+    return text[:cut], text[cut:]
+
+
 def create_dataloader(
     text: str,
     tokenizer: Tokenizer,

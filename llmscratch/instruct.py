@@ -6,8 +6,10 @@ it answers until it emits that token. Answers are scored without an external jud
 match per task family, the share of well-formed answers, and the loss on held-out answers.
 """
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +27,11 @@ TEMPLATE_MARKERS = ("###", HEADER[:24])  # text of the template that has no plac
 
 
 # --------------------------------------------------------------------------- records
+SPLITS = ("train", "validation", "test")
+# Records per split that a chapter script keeps in --test-mode (spread evenly over each split).
+TEST_MODE_SIZES = {"train": 26, "validation": 13, "test": 13}
+
+
 def validate_records(records) -> list[dict]:
     """The records, checked: ValueError naming the index and field of the first bad one.
 
@@ -213,6 +220,47 @@ def respond(model: nn.Module, tokenizer, records: Sequence[dict], max_new_tokens
     return responses
 
 
+def split_records(records: Sequence[dict], source: object, test_mode: bool = False) -> dict[str, list[dict]]:
+    """The records of each of ``SPLITS``, by their "split" field (ValueError naming ``source`` and the record
+    whose split is none of them, or a source without train or test records).
+
+    test_mode keeps ``TEST_MODE_SIZES`` records of each split, taken at even steps: the bundled
+    files list their records family by family, so every family is kept.
+    """
+    for index, record in enumerate(records):
+        if record.get("split") not in SPLITS:
+            raise ValueError(f"{source}, record {index}: field 'split' is {record.get('split')!r}, "
+                             f"expected one of {SPLITS}")
+    splits = {name: [r for r in records if r["split"] == name] for name in SPLITS}
+    if test_mode:
+        splits = {name: split[:: max(1, len(split) // TEST_MODE_SIZES[name])][: TEST_MODE_SIZES[name]]
+                  for name, split in splits.items()}
+    for name in ("train", "test"):
+        if not splits[name]:
+            raise ValueError(f"{source} has no {name!r} records")
+    return splits
+
+
+def read_json_records(path: Path) -> list:
+    """The JSON list in ``path`` (ValueError naming the file if it is not JSON or not a list)."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a JSON file: {err}") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path} holds a JSON {type(records).__name__}, expected a list of records")
+    return records
+
+
+def read_instruction_splits(path: Path, test_mode: bool = False) -> dict[str, list[dict]]:
+    """The instruction records of ``path`` (a JSON list), validated and grouped by split (``split_records``)."""
+    try:
+        records = validate_records(read_json_records(path))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return split_records(records, path, test_mode)
+
+
 # --------------------------------------------------------------------------- scores
 def evaluate_responses(records: Sequence[dict], responses: Sequence[Response]) -> dict:
     """Exact match (normalised) overall and per family, and the share of well-formed answers.
@@ -230,6 +278,17 @@ def evaluate_responses(records: Sequence[dict], responses: Sequence[Response]) -
     return {"exact_match": sum(every) / len(every),
             "well_formed": sum(r.well_formed for r in responses) / len(responses),
             "by_family": {family: sum(h) / len(h) for family, h in sorted(hits.items())}}
+
+
+def score_answers(model: nn.Module, tokenizer, records: Sequence[dict], encoded, eos_id: int, max_new_tokens: int,
+                  dtype: torch.dtype = torch.float32, progress: bool = False) -> tuple[dict, list[Response]]:
+    """The model's answers to ``records`` and their scores (``evaluate_responses``), with "response_loss", the
+    loss on the reference answers (``encoded``: the records as ``encode_records`` gives them)."""
+    answers = respond(model, tokenizer, records, max_new_tokens, dtype=dtype, progress=progress)
+    scores = evaluate_responses(records, answers)
+    scores["response_loss"] = response_loss(model, encoded, eos_id, max_length=model.config.context_length,
+                                            dtype=dtype)
+    return scores, answers
 
 
 def comparison_table(results: dict[str, dict]) -> str:

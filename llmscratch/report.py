@@ -21,6 +21,7 @@ from torch import nn
 
 from llmscratch.assets import read_moby_dick
 from llmscratch.classify import Classifier, evaluate_classifier, make_batches
+from llmscratch.data import split_text
 from llmscratch.evaluation import (
     evaluate,
     mean_rouge_l,
@@ -59,7 +60,7 @@ def held_out_moby_dick(text: str | None = None, val_fraction: float = VAL_FRACTI
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     text = read_moby_dick() if text is None else text
-    return text[int(len(text) * (1 - val_fraction)):]
+    return split_text(text, val_fraction)[1]
 
 
 @dataclass

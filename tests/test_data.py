@@ -19,6 +19,7 @@ from llmscratch.data import (
     load_token_meta,
     load_token_split,
     prepare_token_files,
+    split_text,
 )
 from llmscratch.tokenizer import ENDOFTEXT, gpt2_encoding, load_gpt2_ranks
 
@@ -422,3 +423,17 @@ def test_random_windows_bad_input():
         RandomWindowBatches(tokens, 2, 4, seed=0, rank=1, world_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="saved state has num_tokens=12, but this sampler has num_tokens=11"):
         RandomWindowBatches(tokens[:11], 2, 4, seed=0, world_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("text", ["", "a", "hello world", "Call me Ishmael. \u00e9\u00e8 " * 7])
+@pytest.mark.parametrize("val_fraction", [0.0, 0.1, 0.37, 0.9])
+def test_split_text_cuts_by_characters_and_loses_nothing(text, val_fraction):
+    train, val = split_text(text, val_fraction)
+    assert train + val == text
+    assert len(val) == len(text) - int(len(text) * (1 - val_fraction))  # the last val_fraction, rounded down
+
+
+@pytest.mark.parametrize("val_fraction", [-0.1, 1.0, 1.5])
+def test_split_text_refuses_a_fraction_outside_0_1(val_fraction):
+    with pytest.raises(ValueError, match=f"val_fraction must be in \\[0, 1\\), got {val_fraction}"):
+        split_text("some text", val_fraction)

@@ -177,9 +177,9 @@ def test_a_missing_default_model_is_trained_by_chapter_5(tmp_path, model_path, m
 
     args = SimpleNamespace(model=module.DEFAULT_MODEL, out_dir=tmp_path / "run", test_mode=False, no_progress=True,
                            instructions=Path("data.json"))
-    assert module.starting_model(args, SimpleNamespace(main=fake_main)) == module.DEFAULT_MODEL
+    assert module.starting_model(args, fake_main) == module.DEFAULT_MODEL
     assert calls == [["--out-dir", "runs/instructions", "--data", "data.json", "--no-progress"]]
-    assert module.starting_model(args, SimpleNamespace(main=fake_main)) == module.DEFAULT_MODEL  # not again
+    assert module.starting_model(args, fake_main) == module.DEFAULT_MODEL  # not again
     assert len(calls) == 1
 
 
@@ -211,3 +211,8 @@ def test_a_malformed_pair_is_named(model_path, tmp_path):
                                 {"instruction": "a", "input": "", "chosen": "b", "split": "test"}]))
     with pytest.raises(SystemExit, match="record 1: field 'rejected' is missing"):
         script().main(["--model", str(model_path), "--data", str(data), "--out-dir", str(tmp_path / "run")])
+
+
+def test_a_failing_chapter_5_run_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"finetune_instructions.py --no-such-flag failed \(exit status 2\)"):
+        script().train_instruction_model(["--no-such-flag"])

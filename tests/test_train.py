@@ -36,13 +36,14 @@ def test_loss_goes_down(tmp_path):
     assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 40
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_resume_gives_the_same_losses_bitwise(tmp_path, dropout):
+@pytest.mark.parametrize(("dropout", "optimizer"), [(0.0, "adamw"), (0.2, "adamw"), (0.0, "muon")])
+def test_resume_gives_the_same_losses_bitwise(tmp_path, dropout, optimizer):
     """Stopped during step 5 (last checkpoint at 4) and resumed: steps 5..10 repeat to the bit.
 
-    With dropout the masks come from the global generator: the checkpoint must restore it.
+    With dropout the masks come from the global generator: the checkpoint must restore it. With
+    Muon, its momentum buffers and the AdamW moments of the other parameters.
     """
-    settings = dict(max_steps=10, checkpoint_interval=4, eval_interval=3, sample_interval=3)
+    settings = dict(max_steps=10, checkpoint_interval=4, eval_interval=3, sample_interval=3, optimizer=optimizer)
     reference = make_trainer(tmp_path / "a", {"dropout": dropout}, **settings)
     reference.fit(progress=False)
 

@@ -60,3 +60,33 @@ def read_instruction_model_answers() -> dict:
 def dumps_records(records: list[dict]) -> str:
     """A JSON list written one record per line: readable diffs, still plain JSON (the generated files' layout)."""
     return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]\n"
+
+
+def first_difference(path: Path, expected: list[dict]) -> str | None:
+    """A message naming the first record of ``path`` that differs from ``expected``, or None if none does."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"{path} cannot be read as JSON: {err}"
+    if not isinstance(found, list):
+        return f"{path} holds a JSON {type(found).__name__}, expected a list of records"
+    for index, (old, new) in enumerate(zip(found, expected)):
+        if old != new:
+            return f"{path}: record {index} differs: the file has {old}, the rebuild gives {new}"
+    if len(found) != len(expected):
+        return f"{path} has {len(found)} records, the rebuild gives {len(expected)}"
+    if path.read_text(encoding="utf-8") != dumps_records(expected):
+        return f"{path} holds the same records but not in the generated layout (one record per line)"
+    return None
+
+
+def write_or_check_records(files: dict[Path, list[dict]], check: bool) -> None:
+    """Write each generated file (``dumps_records``), or, with ``check``, write nothing and raise ValueError
+    naming the first differing record of every file that is not what would be written."""
+    if check:
+        problems = [problem for path, records in files.items() if (problem := first_difference(path, records))]
+        if problems:
+            raise ValueError("\n".join(problems) + "\nrun the script without --check to rebuild")
+        return
+    for path, records in files.items():
+        path.write_text(dumps_records(records), encoding="utf-8")

@@ -27,15 +27,6 @@ CHAPTER = Chapter("ch05", "Finetuning: a spam classifier, an instruction followe
 CPU = torch.device("cpu")
 
 
-def _attempt(answer, *args, case: str, errors: dict[str, str], **kwargs):
-    """``attempt``, with a hint of its own for an exception whose message holds one of ``errors``' keys."""
-    try:
-        return attempt(answer, *args, case=case, **kwargs)
-    except Mismatch as mismatch:
-        hint = next((hint for text, hint in errors.items() if text in str(mismatch.got)), mismatch.hint)
-        raise Mismatch(case, mismatch.expected, mismatch.got, hint) from None
-
-
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("last_token_logits", title="Each row's logits at its last real token", difficulty="warm-up",
                   section="1.3 Why the last real token", kind="write it yourself")
@@ -89,7 +80,7 @@ def check_classification_scores(answer) -> int:
         cases.append((predictions, (torch.rand(size, generator=generator) < 0.5).long().tolist()))
     for predictions, labels in cases:
         case = f"predictions {predictions}, labels {labels}"
-        got = _scores(_attempt(answer, list(predictions), list(labels), case=case, errors={
+        got = _scores(attempt(answer, list(predictions), list(labels), case=case, errors={
             "ZeroDivisionError": "a ratio with nothing to count (no message flagged as spam, or no spam at all) is 0, "
                                  "as in classification_metrics: guard each division"}), case)
         expected = _scores(classification_metrics(predictions, labels), case)
@@ -148,7 +139,7 @@ def _merged(answer, layer: LoRALinear, case: str) -> nn.Linear:
     """The reader's merge of ``layer``, checked against the package's; the layer must come out unchanged."""
     before = layer.base.weight.detach().clone()
     shapes = "the update is B @ A, of shape (out, in) like W: A = layer.lora_a (rank, in), B = layer.lora_b (out, rank)"
-    got = _attempt(answer, layer, case=case, errors={"size of tensor": shapes})
+    got = attempt(answer, layer, case=case, errors={"size of tensor": shapes})
     if not isinstance(got, nn.Linear):
         raise Mismatch(case, "an nn.Linear", describe(got), "return a plain nn.Linear (new storage, the update in it)")
     expect_equal(layer.base.weight.detach(), before, case=case, hint=(

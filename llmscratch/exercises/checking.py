@@ -1,6 +1,6 @@
 """How an exercise is checked: run the reader's answer case by case, stop at the first wrong one, say why.
 
-A chapter's checkers (``llmscratch.exercises.ch01`` ... ``ch05``) register each exercise with
+A chapter's checkers (``llmscratch.exercises.ch01`` ... ``ch06``) register each exercise with
 ``Chapter.exercise``. A checker calls the reader's answer through ``attempt`` and compares with
 ``expect_equal`` / ``expect_close``, smallest case first, so the first ``Mismatch`` raised is the
 smallest failing input. ``Chapter.check`` turns the outcome into a ``Verdict`` and prints it; it
@@ -122,15 +122,21 @@ def _judge(exercise: Exercise, answer: Any) -> Verdict:
     return Verdict(exercise, "passed", f"({passed} cases)")
 
 
-def attempt(answer: Callable, *args: Any, case: str, **kwargs: Any) -> Any:
-    """``answer(*args, **kwargs)``; an exception it raises becomes a Mismatch naming the case."""
+def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | None = None, **kwargs: Any) -> Any:
+    """``answer(*args, **kwargs)``; an exception it raises becomes a Mismatch naming the case.
+
+    errors maps a text to a hint: an exception whose message holds the text gets that hint (the
+    usual mistake behind, say, "size of tensor"), any other the general one.
+    """
     try:
         return answer(*args, **kwargs)
     except NotImplementedError:
         raise NotDone from None
     except Exception as err:
-        raise Mismatch(case, "a result", f"{type(err).__name__}: {err}",
-                       "your code raised an exception on this input (read the message above)") from None
+        got = f"{type(err).__name__}: {err}"
+        hint = next((hint for text, hint in (errors or {}).items() if text in got),
+                    "your code raised an exception on this input (read the message above)")
+        raise Mismatch(case, "a result", got, hint) from None
 
 
 def expect_equal(got: Any, expected: Any, *, case: str, hint: str) -> None:
