@@ -1,6 +1,6 @@
 """Pretrain a small Llama-style model on Moby-Dick (or your text): on a CPU, or on many GPUs under torchrun.
 
-    python ch04-pretraining/pretrain.py                        # the default run: about 8 minutes on 2 CPU cores
+    python ch04-pretraining/pretrain.py                        # the default run: 6 to 10 minutes on 2 CPU cores
     python ch04-pretraining/pretrain.py --max-steps 20         # a quick check of the whole pipeline
     python ch04-pretraining/pretrain.py --resume               # continue runs/pretrain from its last checkpoint
     torchrun --nproc_per_node=8 ch04-pretraining/pretrain.py --data tokens/ --tokenizer gpt2 --preset llama-small
@@ -72,13 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--context-length", type=int, default=None,
                    help="tokens per training window (default: the preset's)")
     m.add_argument("--dropout", type=finite_float, default=0.0, help="dropout probability")
+    m.add_argument("--mlp", choices=["relu2", "swiglu", "gelu", "preset"], default="relu2",
+                   help="the MLP: relu2 (max(0, x)^2, two matrices; 1.97 against SwiGLU's 1.99 bits per byte in "
+                        "the main job, see benchmarks/RESULTS.md), swiglu, gelu, or the preset's own (default: "
+                        "%(default)s). Between a gated (swiglu) and a plain MLP the hidden size is scaled by 3/2 "
+                        "or 2/3, keeping the preset's weight count, unless --d-ff is given")
+    m.add_argument("--d-ff", type=int, default=None, help="the MLP's hidden size (default: the preset's, or as many "
+                                                          "weights as the preset's MLP, see --mlp)")
+    m.add_argument("--qk-norm", action="store_true", help="RMS-normalise each head's queries and keys (QK-norm)")
+    m.add_argument("--zero-init-residual", action="store_true",
+                   help="attention's output projection and the MLP's last layer start at zero")
     t = p.add_argument_group("training")
     add_flags(t, DEFAULTS, "max_steps", "batch_size", "grad_accum", "lr")
-    t.add_argument("--min-lr", type=finite_float, default=None, help="end of the cosine decay (default: lr / 10)")
-    add_flags(t, DEFAULTS, "warmup_steps", "weight_decay", "grad_clip", "optimizer", "muon_momentum")
+    t.add_argument("--min-lr", type=finite_float, default=None, help="where the decay ends (default: lr / 10)")
+    add_flags(t, DEFAULTS, "warmup_steps", "schedule", "decay_fraction", "weight_decay", "grad_clip", "optimizer",
+              "muon_momentum")
     t.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 autocast on GPUs that support it, float16 (with a gradient scaler) "
-                        "on older GPUs, float32 on CPU")
+                        "on older GPUs; on a CPU bfloat16 where it has AMX matrix units (about 1.5x faster "
+                        "steps there), else float32")
     add_flags(t, DEFAULTS, "compile", "parallel", "tp", "activation_checkpointing")
     t.add_argument("--device", default="auto",
                    help="auto, cpu, cuda, cuda:N or mps; under torchrun each process takes cuda:LOCAL_RANK")
@@ -113,6 +125,7 @@ def parse_args(argv: list[str] | None, dist: distributed.DistInfo | None = None)
         if "error" in saved:
             parser.error(saved["error"])
         defaults = {k: v for k, v in saved.items() if k not in ("resume", "overwrite", "out_dir")}
+        defaults.setdefault("mlp", "preset")  # a run from before --mlp had the preset's MLP
         defaults["data"] = [Path(path) for path in saved["data"]]
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
@@ -296,9 +309,18 @@ def check_lengths(n_train: int, n_val: int, context_length: int, unit: str = "to
 
 def model_config_for(args, vocab_size: int) -> GPTConfig:
     """The model the flags describe, for a vocabulary of ``vocab_size`` ids."""
-    overrides = {"vocab_size": vocab_size, "dropout": args.dropout}
+    overrides = {"vocab_size": vocab_size, "dropout": args.dropout, "qk_norm": args.qk_norm,
+                 "zero_init_residual": args.zero_init_residual}
     if args.context_length is not None:
         overrides["context_length"] = args.context_length
+    preset = GPTConfig.from_preset(args.preset)
+    if args.mlp not in (None, "preset"):
+        overrides["mlp"] = args.mlp
+        if args.d_ff is None and (args.mlp == "swiglu") != (preset.mlp == "swiglu"):
+            # A gated MLP has three matrices, a plain one two: the same weights at 2/3 or 3/2 the width.
+            overrides["d_ff"] = preset.hidden_dim * 3 // 2 if preset.mlp == "swiglu" else preset.hidden_dim * 2 // 3
+    if args.d_ff is not None:
+        overrides["d_ff"] = args.d_ff
     return GPTConfig.from_preset(args.preset, **overrides)
 
 

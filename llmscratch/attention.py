@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmscratch.norm import RMSNorm
 from llmscratch.rope import RotaryEmbedding
 
 
@@ -193,6 +194,8 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool = False,
         dropout: float = 0.0,
         fused: bool = True,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -213,6 +216,10 @@ class MultiHeadAttention(nn.Module):
         self.qkv_sizes = (n_heads * self.head_dim, n_kv_heads * self.head_dim, n_kv_heads * self.head_dim)
         self.qkv = nn.Linear(d_in, sum(self.qkv_sizes), bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        # QK-norm: each head's query and key scaled to RMS 1, times gains shared by the heads, so a
+        # logit q.k / sqrt(hs) stays within +-sqrt(hs) x gains however large the projections grow.
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -243,6 +250,8 @@ class MultiHeadAttention(nn.Module):
         q = q.view(batch_size, seq_len, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(batch_size, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
         v = v.view(batch_size, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
+        if self.q_norm is not None:  # before RoPE, which keeps the norms (a rotation)
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             # Rotating before caching: a cached key keeps the angle of the position it was made at.
             q = rope(q, start_pos, positions=input_pos)

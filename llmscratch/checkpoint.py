@@ -128,8 +128,13 @@ def config_from_dict(saved: dict[str, Any], source: str = "the checkpoint") -> G
 
 
 def check_model_config(saved: dict[str, Any], config: GPTConfig) -> None:
-    """ValueError naming every field where a checkpoint's model config differs from ``config``."""
+    """ValueError naming every field where a checkpoint's model config differs from ``config``.
+
+    A field the checkpoint does not record (it predates the field) counts as the field's default.
+    """
     current = config.to_dict()
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    saved = {**{key: defaults[key] for key in current if key not in saved and key in defaults}, **saved}
     differs = {key: (current.get(key), saved.get(key)) for key in sorted(set(current) | set(saved))
                if current.get(key) != saved.get(key)}
     if differs:

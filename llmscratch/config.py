@@ -21,6 +21,7 @@ __all__ = ["ConfigError", "DPOConfig", "FinetuneConfig", "PARALLEL", "TRAINABLE"
 # How several processes share the model (llmscratch.parallel).
 PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 
 Check = Callable[[Any], str | None]  # the problem with a value ("must be ..."), or None when it is fine
 
@@ -89,8 +90,12 @@ class TrainConfig:
     grad_accum: int = setting(1, "micro-steps per optimizer step: the global batch is batch-size x grad-accum x "
                                  "processes sequences", positive_int)
     lr: float = setting(1e-3, "peak learning rate", positive)  # reached after warmup
-    min_lr: float = setting(1e-4, "end of the cosine decay", non_negative)  # and at most lr
+    min_lr: float = setting(1e-4, "where the decay ends", non_negative)  # and at most lr
     warmup_steps: int = setting(100, "linear warmup steps", non_negative)
+    schedule: str = setting("cosine", "after the warmup: cosine decay to min_lr, or wsd (warmup-stable-decay): "
+                                      "lr held, then a linear decay to min_lr over the last decay-fraction of "
+                                      "the steps", choices=SCHEDULES)
+    decay_fraction: float = setting(0.2, "wsd: the share of max-steps spent decaying", fraction)
     weight_decay: float = setting(0.1, "AdamW weight decay on weight matrices", non_negative)
     optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' weight "
                                       "matrices and AdamW for embeddings, head and gains, at the same lr",

@@ -4,10 +4,12 @@ Every script and module that takes ``--device`` or ``--dtype`` resolves it here.
 """
 
 import contextlib
+import os
+from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "autocast", "choose_dtype", "resolve_device"]
+__all__ = ["DTYPES", "autocast", "choose_dtype", "cpu_has_amx", "resolve_device"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,14 +36,28 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def choose_dtype(device: torch.device) -> str:
-    """The precision a run uses by default: bf16 on GPUs that have it, fp16 on older GPUs, else fp32.
+    """The precision a run uses by default: bf16 on GPUs that have it, fp16 on older GPUs; on a CPU,
+    bf16 where it has AMX matrix units, else fp32.
 
-    On CPU float32 stays the default: without AMX matrix units bfloat16 autocast was slower than
-    float32 on the 2-core machine measured for ``benchmarks/RESULTS.md``, and no more accurate.
+    Measured for ``benchmarks/RESULTS.md`` on 2-core machines: with AMX a training step of the
+    main job under bfloat16 autocast takes about two thirds of its float32 time, ending at the same
+    validation loss; without AMX (AVX-512 BF16 alone, or none) bfloat16 was slower than float32.
     """
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device.type == "cpu" and cpu_has_amx():
+        return "bfloat16"
     return "float32"
+
+
+def cpu_has_amx(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has Intel's AMX units for bfloat16 matrix products (the ``amx_bf16`` flag of Linux's
+    /proc/cpuinfo, Xeon 4th generation on), which oneDNN uses under bfloat16 autocast; False if unknown."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:  # not Linux, or no access: assume none
+        return False
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in text.splitlines())
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype):

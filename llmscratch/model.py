@@ -17,6 +17,7 @@ from torch import nn
 
 from llmscratch.attention import KVCache, MultiHeadAttention, check_heads
 from llmscratch.losses import head_cross_entropy
+from llmscratch.norm import RMSNorm
 from llmscratch.rope import RotaryEmbedding
 
 
@@ -32,12 +33,14 @@ class GPTConfig:
     n_kv_heads: int | None = None  # None: as many as n_heads (multi-head attention)
     d_ff: int | None = None  # MLP hidden size; None: 4 * d_model
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: GELU's shape with max(0, x)^2
     position: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10_000.0
     qkv_bias: bool = True  # bias on the query/key/value projection
     bias: bool = True  # bias on every other linear layer and on LayerNorm
     tie_embeddings: bool = True  # the output head reuses the token embedding matrix
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (learned gains) before RoPE
+    zero_init_residual: bool = False  # attention's out_proj and the MLP's last layer start at zero
     norm_eps: float = 1e-5
     dropout: float = 0.0
     fused_attention: bool = True  # scaled_dot_product_attention; False: the explicit math
@@ -96,31 +99,22 @@ PRESETS: dict[str, dict] = {
 }
 
 
-class RMSNorm(nn.Module):
-    """Scale x to unit root-mean-square over its last dimension, then by a learned gain."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 even for bf16 inputs: the mean of squares loses precision in 8 mantissa bits.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
-        return self.weight * normed.to(x.dtype)
-
-
 class GELUMLP(nn.Module):
-    """GPT-2's feed-forward layer: expand, GELU (tanh approximation), project back."""
+    """GPT-2's feed-forward layer: expand, GELU (tanh approximation), project back.
 
-    def __init__(self, d_model: int, hidden: int, bias: bool):
+    squared_relu: max(0, x)^2 instead of GELU (the speedruns' choice; as sparse as ReLU, smooth at 0).
+    """
+
+    def __init__(self, d_model: int, hidden: int, bias: bool, squared_relu: bool = False):
         super().__init__()
         self.fc = nn.Linear(d_model, hidden, bias=bias)
         self.proj = nn.Linear(hidden, d_model, bias=bias)
+        self.squared_relu = squared_relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # (B, T, d_model)
+        hidden = self.fc(x)  # (B, T, hidden)
+        hidden = F.relu(hidden).square() if self.squared_relu else F.gelu(hidden, approximate="tanh")
+        return self.proj(hidden)  # (B, T, d_model)
 
 
 class SwiGLU(nn.Module):
@@ -151,10 +145,13 @@ class Block(nn.Module):
         self.attn = MultiHeadAttention(
             config.d_model, config.d_model, config.n_heads, config.kv_heads, qkv_bias=config.qkv_bias,
             out_bias=config.bias, dropout=config.dropout, fused=config.fused_attention,
+            qk_norm=config.qk_norm, norm_eps=config.norm_eps,
         )
         self.mlp_norm = make_norm(config)
-        mlp_class = SwiGLU if config.mlp == "swiglu" else GELUMLP
-        self.mlp = mlp_class(config.d_model, config.hidden_dim, bias=config.bias)
+        if config.mlp == "swiglu":
+            self.mlp = SwiGLU(config.d_model, config.hidden_dim, bias=config.bias)
+        else:
+            self.mlp = GELUMLP(config.d_model, config.hidden_dim, bias=config.bias, squared_relu=config.mlp == "relu2")
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, kv_cache: KVCache | None,
@@ -186,9 +183,14 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # GPT-2's scaled init: each block adds two projections to the residual stream, so their
         # std shrinks with depth to keep the stream's variance from growing layer after layer.
+        # zero_init_residual goes all the way: every block starts as the identity, and its
+        # projections grow from zero with their first gradients (as the speedruns of small GPTs do).
         for name, param in self.named_parameters():
             if name.endswith(("attn.out_proj.weight", "mlp.proj.weight", "mlp.down.weight")):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+                if config.zero_init_residual:
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -312,7 +314,7 @@ def _check_types(config: GPTConfig) -> None:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
-    for name in ("qkv_bias", "bias", "tie_embeddings", "fused_attention"):
+    for name in ("qkv_bias", "bias", "tie_embeddings", "qk_norm", "zero_init_residual", "fused_attention"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
 
@@ -322,7 +324,7 @@ def _check_values(config: GPTConfig) -> None:
     for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)}")
-    choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "position": ("learned", "rope")}
+    choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu", "relu2"), "position": ("learned", "rope")}
     for name, allowed in choices.items():
         if getattr(config, name) not in allowed:
             raise ValueError(f"{name}={getattr(config, name)!r} is not one of {allowed}")

@@ -30,9 +30,19 @@ class TrainingDiverged(RuntimeError):
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warmup from 0 to ``lr``, then cosine decay to ``min_lr`` at ``max_steps`` (step is 0-based)."""
+    """Linear warmup from 0 to ``lr``, then the schedule's decay to ``min_lr`` at ``max_steps`` (step is 0-based).
+
+    cosine: half a cosine from lr down to min_lr. wsd (warmup-stable-decay): lr held until the last
+    ``decay_fraction`` of the steps (never before the warmup ends), then a straight line to min_lr.
+    """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
+    if config.schedule == "wsd":
+        decay_start = max(config.warmup_steps, config.max_steps - int(config.decay_fraction * config.max_steps))
+        if step < decay_start:
+            return config.lr
+        progress = min(1.0, (step - decay_start) / (config.max_steps - decay_start))  # 0 -> 1
+        return config.lr + progress * (config.min_lr - config.lr)
     progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))  # 1 -> 0
     return config.min_lr + cosine * (config.lr - config.min_lr)

@@ -98,6 +98,9 @@ def _config_from_hf(hf: dict) -> GPTConfig:
 
 def family_of(config: GPTConfig) -> str:
     """'gpt2' or 'llama': the Hugging Face family that can hold this configuration."""
+    if config.qk_norm:
+        raise ValueError("a model with qk_norm=True has query/key norms that neither GPT-2 nor Llama has, so "
+                         "no Hugging Face format here holds it (its safetensors export still does)")
     if (config.norm, config.mlp, config.position) == ("layernorm", "gelu", "learned") \
             and config.kv_heads == config.n_heads and config.qkv_bias and config.bias:
         return "gpt2"

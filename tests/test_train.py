@@ -1,5 +1,6 @@
 """The training loop: it learns, resumes exactly, agrees across compile and precision, stops on NaN."""
 
+import dataclasses
 import json
 import math
 
@@ -185,6 +186,27 @@ def test_learning_rate_schedule():
     assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
 
 
+def test_wsd_schedule_holds_then_decays_linearly():
+    config = TrainConfig(max_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4, schedule="wsd", decay_fraction=0.2)
+    rates = [learning_rate(step, config) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)  # the same warmup
+    assert all(rate == 1e-3 for rate in rates[10:80])  # stable until the last fifth
+    assert rates[90] == pytest.approx(1e-3 - 0.5 * 9e-4)  # half way down the line at step 90
+    assert rates[99] == pytest.approx(1e-4 + 9e-4 / 20)  # min_lr is reached at max_steps, one past the last
+    assert learning_rate(150, config) == pytest.approx(1e-4)  # a run resumed past its end stays at the floor
+
+
+@pytest.mark.parametrize("max_steps,warmup,fraction", [(1, 0, 0.2), (37, 5, 0.3), (20, 15, 0.5), (50, 3, 0.0),
+                                                       (64, 8, 1.0), (7, 0, 0.99)])
+def test_wsd_schedule_matches_the_written_out_reference(max_steps, warmup, fraction):
+    from llmscratch.exercises.ch04_references import wsd_schedule
+
+    config = TrainConfig(max_steps=max_steps, warmup_steps=warmup, lr=3e-3, min_lr=2e-4)
+    wsd = dataclasses.replace(config, schedule="wsd", decay_fraction=fraction)
+    rates = torch.tensor([learning_rate(step, wsd) for step in range(max_steps)], dtype=torch.float64)
+    torch.testing.assert_close(rates, wsd_schedule(config, fraction), rtol=1e-12, atol=0)
+
+
 def test_optimizer_decays_matrices_only():
     from llmscratch.model import GPT
 
@@ -240,7 +262,17 @@ def test_config_validation_names_the_bad_value():
 
 
 def test_dtype_choice_and_peaks(tmp_path, monkeypatch):
-    assert choose_dtype(torch.device("cpu")) == "float32"
+    import llmscratch.device
+
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n\n")
+    plain = tmp_path / "plain"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512_bf16\nbugs\t\t: amx_bf16_like\n")
+    assert llmscratch.device.cpu_has_amx(amx) and not llmscratch.device.cpu_has_amx(plain)
+    assert not llmscratch.device.cpu_has_amx(tmp_path / "missing")  # not Linux: assume no AMX
+    for has_amx, expected in [(True, "bfloat16"), (False, "float32")]:
+        monkeypatch.setattr(llmscratch.device, "cpu_has_amx", lambda: has_amx)
+        assert choose_dtype(torch.device("cpu")) == expected
     assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
     assert gpu_peak_flops("NVIDIA L40S", torch.bfloat16) == 362e12
