@@ -314,7 +314,7 @@ def model_config_for(args, vocab_size: int) -> GPTConfig:
     if args.context_length is not None:
         overrides["context_length"] = args.context_length
     preset = GPTConfig.from_preset(args.preset)
-    if args.mlp not in (None, "preset"):
+    if args.mlp != "preset":
         overrides["mlp"] = args.mlp
         if args.d_ff is None and (args.mlp == "swiglu") != (preset.mlp == "swiglu"):
             # A gated MLP has three matrices, a plain one two: the same weights at 2/3 or 3/2 the width.

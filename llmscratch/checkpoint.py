@@ -133,8 +133,7 @@ def check_model_config(saved: dict[str, Any], config: GPTConfig) -> None:
     A field the checkpoint does not record (it predates the field) counts as the field's default.
     """
     current = config.to_dict()
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    saved = {**{key: defaults[key] for key in current if key not in saved and key in defaults}, **saved}
+    saved = {**{f.name: f.default for f in dataclasses.fields(GPTConfig)}, **saved}
     differs = {key: (current.get(key), saved.get(key)) for key in sorted(set(current) | set(saved))
                if current.get(key) != saved.get(key)}
     if differs:
