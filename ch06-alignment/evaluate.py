@@ -44,7 +44,8 @@ from llmscratch.report import (
 
 # name -> (default location, the command that makes it)
 DEFAULT_MODELS = {
-    "base": (PRETRAINED_PATH, "python ch04-pretraining/pretrain.py --export-dtype bfloat16 (bundled with llmscratch)"),
+    "base": (PRETRAINED_PATH,
+             "python ch04-pretraining/pretrain.py --export-dtype bfloat16 --dtype bfloat16 (bundled with llmscratch)"),
     "instructions": (Path("runs/instructions/model.safetensors"), "python ch05-finetuning/finetune_instructions.py"),
     "dpo": (Path("runs/preferences/model.safetensors"), "python ch06-alignment/finetune_preferences.py"),
     "classifier": (Path("runs/classifier/classifier.pt"), "python ch05-finetuning/finetune_classifier.py"),
