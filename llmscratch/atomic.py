@@ -31,7 +31,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> N
     path.parent.mkdir(parents=True, exist_ok=True)
     # A fresh name in the same folder (a rename across filesystems would not be atomic; several
     # processes may write at once); the writer creates the file, so it gets the usual permissions.
-    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
+    tmp = str(_temporary_name(path))
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -57,20 +57,48 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+def _temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def make_temporary_folder(path: str | os.PathLike) -> Path:
+    """A new, empty folder beside ``path``, named like ``write_atomically``'s temporaries.
+
+    For work that writes several files and then renames them into place: if the process is
+    killed first, ``remove_stale_temporaries(path)`` finds the folder and deletes it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        folder = _temporary_name(path)
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue  # the same 8 hex digits twice in one process: draw again
+        return folder
+
+
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     """Delete the temporaries of ``path`` that killed processes left behind; return them.
 
-    Only files named as ``write_atomically`` names the temporaries of this very ``path``, and
-    only those of processes that no longer run (a live writer's file is left alone).
+    Only files and folders named as ``write_atomically`` and ``make_temporary_folder`` name
+    the temporaries of this very ``path``, and only those of processes that no longer run (a
+    live writer's are left alone).
     """
     path = Path(path)
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
     removed = []
     for candidate in path.parent.iterdir() if path.parent.is_dir() else []:
         match = pattern.fullmatch(candidate.name)
-        if match and candidate.is_file() and not _process_runs(int(match.group(1))):
+        if not match or _process_runs(int(match.group(1))):
+            continue
+        if candidate.is_dir() and not candidate.is_symlink():
+            shutil.rmtree(candidate, ignore_errors=True)
+        elif candidate.is_file():
             candidate.unlink(missing_ok=True)
-            removed.append(candidate)
+        else:
+            continue
+        removed.append(candidate)
     return removed
 
 

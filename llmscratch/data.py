@@ -16,7 +16,6 @@ import codecs
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -24,6 +23,8 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from llmscratch.atomic import make_temporary_folder, remove_stale_temporaries
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
@@ -144,9 +145,11 @@ def prepare_token_files(
         raise ValueError(f"out_dir {out_dir} is a file, not a folder")
     for path in paths:
         _check_text_file(path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Written in a folder of its own inside out_dir (the same filesystem: the renames are atomic).
-    work = Path(tempfile.mkdtemp(prefix=".prepare-", suffix=".tmp", dir=out_dir))
+    # Written in a folder of its own inside out_dir (the same filesystem: the renames are atomic),
+    # named .prepare.<pid>.<8 hex digits>.tmp; one that a killed prepare left is deleted first.
+    work_name = out_dir / "prepare"
+    remove_stale_temporaries(work_name)
+    work = make_temporary_folder(work_name)
     try:
         meta = _write_token_files(paths, work, tokenizer, val_fraction, block_chars)
         # meta.json goes first and comes back last: a folder with a meta.json holds complete token files.

@@ -18,7 +18,7 @@ from llmscratch.config import FinetuneConfig
 from llmscratch.lora import apply_lora
 from llmscratch.model import GPT, count_parameters
 from llmscratch.optim import OptimizerStep
-from llmscratch.runlog import progress_bar
+from llmscratch.progress import progress_bar
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.weights import load_model_and_tokenizer
 

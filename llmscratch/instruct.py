@@ -19,7 +19,7 @@ from llmscratch.evaluation import evaluating, exact_match
 from llmscratch.evaluation import normalize_answer as normalize  # noqa: F401  (re-exported: the ch05 name)
 from llmscratch.generate import generate
 from llmscratch.losses import IGNORE_INDEX
-from llmscratch.runlog import progress_bar
+from llmscratch.progress import progress_bar
 
 HEADER = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 FIELDS = ("instruction", "input", "output")

@@ -30,7 +30,7 @@ from llmscratch.evaluation import (
     wilson_interval,
 )
 from llmscratch.instruct import evaluate_responses, respond
-from llmscratch.runlog import progress_bar
+from llmscratch.progress import progress_bar
 
 VAL_FRACTION = 0.1  # the held-out share of ch04-pretraining/pretrain.py's default run
 MAX_NEW_TOKENS = 24  # per answer, as ch05-finetuning/finetune_instructions.py scores

@@ -16,23 +16,12 @@ from llmscratch.atomic import write_text_atomically
 from llmscratch.config import TrainConfig
 from llmscratch.device import autocast
 from llmscratch.generate import generate
+from llmscratch.progress import progress_bar
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 SUMMARY_FILE = "summary.json"
 SAMPLE_FILE = "sample.txt"
-
-
-@contextlib.contextmanager
-def progress_bar(enabled: bool, total: int, description: str, unit: str, initial: int = 0) -> Iterator:
-    """A tqdm bar counting to ``total`` for the block, or None when not ``enabled`` (tqdm is then not imported)."""
-    if not enabled:
-        yield None
-        return
-    from tqdm.auto import tqdm  # imported here: the package imports without it
-
-    with tqdm(total=total, initial=initial, desc=description, unit=unit) as bar:
-        yield bar
 
 
 def sample_text(model, tokenizer, config: TrainConfig, device: torch.device) -> str:

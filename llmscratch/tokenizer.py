@@ -23,6 +23,7 @@ import tiktoken
 from llmscratch.assets import GPT2_RANKS_PATH
 from llmscratch.atomic import write_text_atomically
 from llmscratch.bpe import Pair, apply_merges, learn_merges, merges_from_ranks
+from llmscratch.progress import progress_bar
 
 # GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace.
 # A merge never crosses the boundary between two of these chunks.
@@ -125,10 +126,8 @@ class BPETokenizer:
                 f"{len(special_tokens)} (special tokens) = {256 + len(special_tokens)}"
             )
         chunk_counts = _count_chunks(text, _compile_split_pattern(pattern), special_tokens)
-        bar = _progress_bar(n_merges, "BPE merges") if progress else None
-        merges = learn_merges(chunk_counts, n_merges, None if bar is None else bar.update)
-        if bar is not None:
-            bar.close()
+        with progress_bar(progress, n_merges, "BPE merges", "merge") as bar:
+            merges = learn_merges(chunk_counts, n_merges, None if bar is None else bar.update)
         if len(merges) < n_merges:
             warnings.warn(
                 f"the text has only enough distinct pairs for {len(merges)} merges, not "
@@ -385,9 +384,3 @@ def _one_line_lists(text: str) -> str:
 def _readable(token: bytes) -> str:
     """A token's bytes as text, with invalid UTF-8 shown as \\xNN escapes."""
     return token.decode("utf-8", errors="backslashreplace")
-
-
-def _progress_bar(total: int, description: str):
-    from tqdm.auto import tqdm  # imported here so tokenizing needs no tqdm at import time
-
-    return tqdm(total=total, desc=description, unit="merge")

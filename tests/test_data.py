@@ -3,7 +3,11 @@
 import io
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -217,6 +221,47 @@ def test_prepare_again_replaces_the_token_files_and_nothing_else(tmp_path, gpt2,
     assert meta == load_token_meta(tmp_path / "tokens") and meta["source_files"] == [str(second)]
     assert sorted(p.name for p in (tmp_path / "tokens").iterdir()) == ["meta.json", "notes.txt", "train.bin",
                                                                        "val.bin"]  # no work folder left
+
+
+SLOW_PREPARE = """
+import sys, time
+from llmscratch.data import prepare_token_files
+from llmscratch.tokenizer import gpt2_encoding
+
+class Slow:  # GPT-2's encoding, a tenth of a second per block: the test has time to kill it mid-way
+    def __init__(self):
+        self.inner = gpt2_encoding()
+        self.n_vocab, self.eot_token, self.name = self.inner.n_vocab, self.inner.eot_token, "slow"
+
+    def encode(self, text, **kwargs):
+        time.sleep(0.1)
+        return self.inner.encode(text, **kwargs)
+
+prepare_token_files(sys.argv[1], sys.argv[2], Slow(), block_chars=100)
+"""
+
+
+def test_a_killed_prepare_leaves_its_work_folder_and_the_next_one_deletes_it(tmp_path, gpt2, moby_dick):
+    (text,) = write_documents(tmp_path, [moby_dick[:20_000]])  # 200 blocks: 20 s if left alone
+    out = tmp_path / "tokens"
+    worker = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, str(text), str(out)])
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob(".prepare.*.tmp")) and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.05)
+        (left,) = list(out.glob(".prepare.*.tmp"))  # the work folder, named after the worker's pid
+        assert left.name.startswith(f".prepare.{worker.pid}.")
+    finally:
+        worker.kill()  # SIGKILL: no finally block of the worker runs
+        worker.wait(timeout=60)
+    assert left.is_dir() and not (out / "meta.json").exists()
+
+    live = out / f".prepare.{os.getppid()}.0123abcd.tmp"  # a running process may still be writing there
+    live.mkdir()
+    meta = prepare_token_files(text, out, gpt2)
+    assert not left.exists() and live.is_dir()
+    assert sorted(p.name for p in out.iterdir()) == [live.name, "meta.json", "train.bin", "val.bin"]
+    assert sum(meta["num_tokens"].values()) == len(gpt2.encode(moby_dick[:20_000]))
 
 
 def test_check_token_ids_names_the_first_id_outside_the_vocabulary():
