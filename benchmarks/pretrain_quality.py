@@ -71,6 +71,11 @@ SPEEDRUN: dict[str, list[str]] = {
     "bf16-relu2": ["--dtype", "bfloat16", "--mlp", "relu2", "--d-ff", "1152"],  # the weights of SwiGLU's 768
     "bf16-wsd": [*BF16, "--schedule", "wsd"],
 }
+RELU2 = SPEEDRUN["bf16-relu2"]  # the main job's default since the log adopted it (on CPUs with AMX)
+SPEEDRUN |= {
+    "relu2-weight-decay-0.5": [*RELU2, "--weight-decay", "0.5"],
+    "relu2-wsd": [*RELU2, "--schedule", "wsd"],
+}
 MIN_SEEDS = 3  # a gain is claimed over at least this many seeds of both runs
 TARGET_BPB = 2.07  # where nanoGPT's character-level CPU recipe ends on the same split (issue 5)
 BASELINE_TRAIN = dict(batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99, weight_decay=0.1,
