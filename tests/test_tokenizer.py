@@ -78,6 +78,25 @@ def test_bundled_files_match_their_published_checksums(path, sha256):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256
 
 
+def test_every_bundled_file_is_in_the_notice_and_its_checksum_there_holds():
+    """llmscratch/assets/NOTICE names every file beside it; each sha256 it gives is the file's."""
+    from llmscratch.assets import ASSETS_DIR
+
+    notice = (ASSETS_DIR / "NOTICE").read_text(encoding="utf-8")
+    entries = {}  # file name -> the sha256 its entry gives (None: the entry gives none)
+    for block in regex.split(r"\n(?=\S)", notice):  # an entry starts with its file name at column 0
+        name = block.split("\n", 1)[0].strip()
+        if (ASSETS_DIR / name).is_file():
+            found = regex.search(r"^\s+sha256: ([0-9a-f]{64})$", block, regex.MULTILINE)
+            entries[name] = found and found.group(1)
+    bundled = {p.name for p in ASSETS_DIR.iterdir() if p.is_file() and p.name not in ("NOTICE", "__init__.py")}
+    assert sorted(entries) == sorted(bundled)
+    for name, sha256 in entries.items():
+        if sha256 is not None:
+            assert hashlib.sha256((ASSETS_DIR / name).read_bytes()).hexdigest() == sha256, name
+    assert sum(sha256 is not None for sha256 in entries.values()) >= 9  # all but the generated instructions
+
+
 # --------------------------------------------------------------------- GPT-2 parity
 def test_gpt2_matches_tiktoken_on_all_of_moby_dick(gpt2, reference):
     text = read_moby_dick()
