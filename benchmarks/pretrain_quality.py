@@ -38,12 +38,14 @@ import torch
 
 from benchmarks.common import add_threads_flag, machine_description, set_threads, today
 from llmscratch.assets import read_moby_dick
+from llmscratch.atomic import write_text_atomically
 from llmscratch.data import split_text
 from llmscratch.device import autocast
 from llmscratch.model import GPT, GPTConfig
-from llmscratch.profiling import round_robin
-from llmscratch.tokenizer import BPETokenizer
 from llmscratch.optim import configure_optimizer
+from llmscratch.profiling import round_robin
+from llmscratch.runlog import RunLog
+from llmscratch.tokenizer import BPETokenizer
 from llmscratch.train import TrainConfig, Trainer
 
 BASELINE_MODEL = dict(vocab_size=256, context_length=64, d_model=128, n_layers=4, n_heads=4, bias=False,
@@ -194,19 +196,14 @@ def speedrun(variants: list[str], seeds: list[int], out_dir: Path) -> None:
             record = {"variant": name, "seed": seed, "flags": SPEEDRUN[name],
                       "wall_seconds": time.perf_counter() - start, "machine": machine_description(),
                       "date": today()}
-            (run_dir / "speedrun.json").write_text(json.dumps(record, indent=2) + "\n")
+            write_text_atomically(run_dir / "speedrun.json", json.dumps(record, indent=2) + "\n")  # marks it finished
 
 
 def read_speedrun(run_dir: Path) -> dict:
     """One finished run: its validation curve {step: bits per byte}, steps and wall seconds."""
     record = json.loads((run_dir / "speedrun.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
-    curve = {}
-    with open(run_dir / "metrics.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            if "val_bits_per_byte" in row:
-                curve[row["step"]] = row["val_bits_per_byte"]
+    curve = {r["step"]: r["val_bits_per_byte"] for r in RunLog(run_dir).records() if "val_bits_per_byte" in r}
     return {"curve": curve, "steps": summary["steps"], "wall_seconds": record["wall_seconds"]}
 
 
@@ -328,7 +325,7 @@ def main() -> None:
     parser.add_argument("what", choices=["baseline", "cost", "speedrun"])
     parser.add_argument("--steps", type=int, default=2000, help="baseline iterations (nanoGPT's CPU recipe: 2000)")
     parser.add_argument("--eval-interval", type=int, default=None,
-                        help="baseline: iterations between evaluations (default: a eighth of --steps)")
+                        help="baseline: iterations between evaluations (default: an eighth of --steps)")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds of the cost comparison")
     parser.add_argument("--variant", action="append", choices=sorted(SPEEDRUN),
                         help="speedrun: a change to run (repeat; the first is the reference; default: all); "

@@ -1,6 +1,6 @@
 """Pretrain a small Llama-style model on Moby-Dick (or your text): on a CPU, or on many GPUs under torchrun.
 
-    python ch04-pretraining/pretrain.py                        # the default run: 6 to 10 minutes on 2 CPU cores
+    python ch04-pretraining/pretrain.py                        # the default run: 4 to 10 minutes on 2 CPU cores
     python ch04-pretraining/pretrain.py --max-steps 20         # a quick check of the whole pipeline
     python ch04-pretraining/pretrain.py --resume               # continue runs/pretrain from its last checkpoint
     torchrun --nproc_per_node=8 ch04-pretraining/pretrain.py --data tokens/ --tokenizer gpt2 --preset llama-small

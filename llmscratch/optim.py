@@ -41,7 +41,7 @@ def learning_rate(step: int, config: TrainConfig) -> float:
         decay_start = max(config.warmup_steps, config.max_steps - int(config.decay_fraction * config.max_steps))
         if step < decay_start:
             return config.lr
-        progress = min(1.0, (step - decay_start) / (config.max_steps - decay_start))  # 0 -> 1
+        progress = min(1.0, (step - decay_start) / max(1, config.max_steps - decay_start))  # 0 -> 1
         return config.lr + progress * (config.min_lr - config.lr)
     progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))  # 1 -> 0

@@ -197,7 +197,7 @@ def test_wsd_schedule_holds_then_decays_linearly():
 
 
 @pytest.mark.parametrize("max_steps,warmup,fraction", [(1, 0, 0.2), (37, 5, 0.3), (20, 15, 0.5), (50, 3, 0.0),
-                                                       (64, 8, 1.0), (7, 0, 0.99)])
+                                                       (64, 8, 1.0), (7, 0, 0.99), (5, 8, 0.2)])
 def test_wsd_schedule_matches_the_written_out_reference(max_steps, warmup, fraction):
     from llmscratch.exercises.ch04_references import wsd_schedule
 
@@ -205,6 +205,8 @@ def test_wsd_schedule_matches_the_written_out_reference(max_steps, warmup, fract
     wsd = dataclasses.replace(config, schedule="wsd", decay_fraction=fraction)
     rates = torch.tensor([learning_rate(step, wsd) for step in range(max_steps)], dtype=torch.float64)
     torch.testing.assert_close(rates, wsd_schedule(config, fraction), rtol=1e-12, atol=0)
+    past_the_end = [learning_rate(step, wsd) for step in range(max_steps, max_steps + 20)]  # a resumed run
+    assert all(2e-4 <= rate <= 3e-3 for rate in past_the_end) and past_the_end[-1] == pytest.approx(2e-4)
 
 
 def test_optimizer_decays_matrices_only():
