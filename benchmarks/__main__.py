@@ -30,6 +30,7 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "generate": ["-m", "benchmarks.bench_generate"],
     "train": ["-m", "benchmarks.bench_train"],
     "parallel_memory": ["-m", "benchmarks.bench_parallel_memory"],  # 4 gloo processes, one thread each
+    "load_checks": ["-m", "benchmarks.bench_load_checks"],
 }
 
 

@@ -5,13 +5,13 @@
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from llmscratch.assets import MOBY_DICK_PATH
-from llmscratch.data import split_text
+from llmscratch.cli import check_out_files, run_script
+from llmscratch.data import read_text_file, split_text
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, check_special_tokens
 
 
@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where to save the trained tokenizer (a readable JSON file)")
     args = parser.parse_args(argv)
     for path in args.input:
-        if not path.is_file():
+        if not path.exists():
             parser.error(f"--input {path}: no such file")
     if not 0.0 <= args.val_fraction < 1.0:
         parser.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
@@ -40,8 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         check_special_tokens(args.special_tokens)
     except ValueError as err:
         parser.error(f"--special-tokens: {err}")
-    if problem := output_problem(args.out):
-        parser.error(f"--out {args.out}: {problem}")
+    for path in args.input:  # (one call per input: the flag names them all alike)
+        check_out_files(parser, {"--out": args.out}, inputs={"--input": path})
     minimum = 256 + len(args.special_tokens)
     if args.vocab_size < minimum:
         parser.error(f"--vocab-size must be at least {minimum} (256 bytes + special tokens), "
@@ -49,30 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def output_problem(path: Path) -> str | None:
-    """Why the tokenizer could not be saved at ``path`` (checked before training), or None."""
-    if path.is_dir():
-        return "is a folder; give a file name such as tok.json"
-    folder = path.parent
-    while not folder.exists():  # saving creates the missing folders
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"{folder} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"the folder {folder} is not writable"
-    if path.exists() and not os.access(path, os.W_OK):
-        return "exists and is not writable"
-    return None
-
-
 def read_inputs(paths: list[Path]) -> str:
     """The input files joined by newlines; an unreadable or blank file exits with its name."""
     texts = []
     for path in paths:
         try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            sys.exit(f"error: --input {path} is not UTF-8 text: {err}")
+            text = read_text_file(path, "--input")
+        except ValueError as err:
+            sys.exit(f"error: {err}")
         except OSError as err:
             sys.exit(f"error: --input {path} cannot be read: {err}")
         if not text.strip():
@@ -123,4 +107,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -7,6 +7,7 @@ saves a plot. Example: python ch02-attention/attention_bench.py --seq-lens 128 2
 
 import argparse
 import functools
+import re
 import statistics
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from llmscratch.attention import MultiHeadAttention
+from llmscratch.cli import check_out_files, run_script
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
 from llmscratch.flops import cpu_model
 from llmscratch.profiling import peak_memory_bytes, quiet_stderr, round_robin, time_once
@@ -61,9 +63,20 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--device: {err}")
     if args.dtype == "auto":
         args.dtype = choose_dtype(args.device)
-    threads = [] if args.threads is None else [args.threads]
-    if min(args.seq_lens + [args.batch_size, args.repeats] + threads) <= 0 or args.warmup < 1:
-        parser.error("--seq-lens, --batch-size, --repeats and --threads must be positive, --warmup at least 1")
+    for flag_name, values in (("--seq-lens", args.seq_lens), ("--batch-size", [args.batch_size]),
+                              ("--d-model", [args.d_model]), ("--n-heads", [args.n_heads]),
+                              ("--n-kv-heads", [] if args.n_kv_heads is None else [args.n_kv_heads]),
+                              ("--repeats", [args.repeats]), ("--warmup", [args.warmup]),
+                              ("--threads", [] if args.threads is None else [args.threads])):
+        if bad := [value for value in values if value < 1]:
+            parser.error(f"{flag_name} must be at least 1, got {bad[0]}")
+    if args.d_model % args.n_heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
+    if args.n_kv_heads is not None and args.n_heads % args.n_kv_heads:
+        parser.error(f"--n-heads {args.n_heads} must be a multiple of --n-kv-heads {args.n_kv_heads}")
+    check_out_files(parser, {"--out": args.out})
+    if args.out.suffix.lower() != ".png":
+        parser.error(f"--out {args.out}: the plot is a PNG: give a file name ending in .png")
     return args
 
 
@@ -173,15 +186,24 @@ def main() -> None:
         shape = (args.batch_size, seq_len, args.d_model)
         return torch.randn(shape, generator=generator).to(args.device, DTYPES[args.dtype])
 
-    print(f"fused path runs: {sdpa_kernels(variants['fused'], rope, random_input(args.seq_lens[0]))}")
     results = {name: {} for name in variants}
-    for seq_len in tqdm(args.seq_lens, desc=f"measuring {', '.join(variants)}"):
-        x = random_input(seq_len).requires_grad_()
-        grad_out = random_input(seq_len)
-        steps = {name: make_step(module, rope, x, grad_out) for name, module in variants.items()}
-        for name, (first_s, median_s) in time_variants(steps, args).items():
-            mib = peak_memory_bytes(steps[name], args.device) / 2**20
-            results[name][seq_len] = {"ms": median_s * 1e3, "mib": mib, "first_s": first_s}
+    seq_len = args.seq_lens[0]
+    try:
+        print(f"fused path runs: {sdpa_kernels(variants['fused'], rope, random_input(seq_len))}")
+        for seq_len in tqdm(args.seq_lens, desc=f"measuring {', '.join(variants)}"):
+            x = random_input(seq_len).requires_grad_()
+            grad_out = random_input(seq_len)
+            steps = {name: make_step(module, rope, x, grad_out) for name, module in variants.items()}
+            for name, (first_s, median_s) in time_variants(steps, args).items():
+                mib = peak_memory_bytes(steps[name], args.device) / 2**20
+                results[name][seq_len] = {"ms": median_s * 1e3, "mib": mib, "first_s": first_s}
+    except (torch.OutOfMemoryError, RuntimeError) as error:  # the CPU allocator's failure is a RuntimeError
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
+        asked = re.search(r"allocate (\d+ bytes|[\d.]+ [KMGT]iB)", str(error))
+        raise SystemExit(f"error: batch {args.batch_size} x {seq_len} tokens x d_model {args.d_model} needs more "
+                         f"memory than {args.device} has{f' (one tensor of {asked[1]})' if asked else ''}; use a "
+                         f"smaller --batch-size or --seq-lens") from None
     print_table(results, args)
     plot(results, args, title)
     memory_note = ("torch.cuda.max_memory_allocated" if args.device.type == "cuda"
@@ -193,4 +215,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

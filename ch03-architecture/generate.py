@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.cli import run_script
 from llmscratch.device import DTYPES, resolve_device
 from llmscratch.generate import stream_text
 from llmscratch.weights import load_model_and_tokenizer  # every model source the course writes, one loader
@@ -84,6 +85,10 @@ def main(argv=None) -> None:
         prompt = tokenizer.decode([tokenizer.eot_token])
     else:
         print(prompt, end="", flush=True)
+    n_prompt, context = len(tokenizer.encode(prompt, allowed_special="all")), model.config.context_length
+    if n_prompt > context:
+        print(f"\nnote: the prompt is {n_prompt:,} tokens, more than the model's context of {context:,}: it reads only "
+              f"the last {context:,} of them", file=sys.stderr)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     try:
         for piece in stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
@@ -93,10 +98,11 @@ def main(argv=None) -> None:
     except ValueError as err:  # e.g. an --eos-id outside the vocabulary
         print(file=sys.stderr)
         sys.exit(f"error: {err}")
-    except KeyboardInterrupt:
-        pass  # Ctrl-C stops the stream; what was printed stays
+    except KeyboardInterrupt:  # Ctrl-C stops the stream; what was printed stays
+        print()
+        sys.exit(130)
     print()
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

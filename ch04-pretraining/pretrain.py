@@ -15,10 +15,8 @@ metrics.jsonl, loss.png, summary.json and sample.txt.
 import argparse
 import contextlib
 import json
-import os
-import signal
+import shutil
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -31,10 +29,13 @@ from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.atomic import remove_stale_temporaries, write_text_atomically
 from llmscratch.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.cli import HelpFormatter, add_flags, build_config, finite_float, refuse
-from llmscratch.data import load_token_meta, load_token_split, split_text
+from llmscratch.data import load_token_meta, load_token_split, read_text_file, split_text
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
+from llmscratch.interrupt import exit_status, stop_on_signals
 from llmscratch.parallel import mesh_shape
 from llmscratch.model import GPT, PRESETS, GPTConfig
+from llmscratch.runfolder import FolderInUse, claim, folder_problem, present
+from llmscratch.runlog import METRICS_FILE, PLOT_FILE, SAMPLE_FILE, SUMMARY_FILE
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
 from llmscratch.sharded_checkpoint import read_meta, sharded_checkpoint_path
 from llmscratch.train import (CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, TrainConfig, Trainer, TrainingDiverged,
@@ -42,6 +43,10 @@ from llmscratch.train import (CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, TrainConf
 
 RUN_FILE = "run.json"  # the flags of the run, so that --resume needs no others
 TOKENIZER_FILE = "tokenizer.json"
+MODEL_FILE = "model.safetensors"
+# What a run leaves in its folder: any of them means the folder holds a run (finished or not).
+RUN_OUTPUTS = (CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, MODEL_FILE, RUN_FILE, TOKENIZER_FILE, METRICS_FILE,
+               SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE)
 # The default run: what the flags of TrainConfig's fields start from (--min-lr's default follows --lr).
 DEFAULTS = TrainConfig(max_steps=800, batch_size=8, lr=2e-3, warmup_steps=50, eval_interval=100, eval_tokens=16384,
                        checkpoint_interval=100, sample_interval=200)
@@ -145,8 +150,11 @@ def read_run_flags(out_dir: Path) -> dict:
     """
     checkpoint, run_file = run_checkpoint(out_dir), out_dir / RUN_FILE
     if checkpoint is None:
-        return {"error": f"--resume: {out_dir} holds no run to resume (it needs {CHECKPOINT_FILE} or "
-                         f"{SHARDED_CHECKPOINT_DIR}/, and {RUN_FILE}, written by this script)"}
+        left = present(out_dir, RUN_OUTPUTS)
+        return {"error": f"--resume: {out_dir} holds no checkpoint to resume from (it needs {CHECKPOINT_FILE} or "
+                         f"{SHARDED_CHECKPOINT_DIR}/, and {RUN_FILE}, written by this script)"
+                         + (f"; it holds {', '.join(left)} of a run whose checkpoint is gone: --overwrite starts "
+                            f"a new run there" if left else "")}
     try:
         flags = json.loads(run_file.read_text(encoding="utf-8"))
         problem = None if isinstance(flags, dict) and "data" in flags else "does not hold a run's flags"
@@ -214,21 +222,39 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--tokenizer {args.tokenizer}: expected bpe:N with N >= 257 (256 bytes + <|endoftext|>)")
     elif args.tokenizer not in ("gpt2", "auto") and not Path(args.tokenizer).exists():
         parser.error(f"--tokenizer {args.tokenizer}: not bpe:N, gpt2, or an existing tokenizer JSON file")
-    check_out_dir(parser, args.out_dir)
-    if run_checkpoint(args.out_dir) is not None and not (args.resume or args.overwrite):
-        parser.error(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it, "
-                     f"--overwrite to start again, or choose another --out-dir")
+    if problem := folder_problem(args.out_dir):
+        parser.error(f"--out-dir {args.out_dir}: {problem}")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out-dir, --overwrite starts it again: give one of them")
+    if problem := run_folder_problem(args):  # checked again once the folder is held (another run may finish)
+        parser.error(problem)
 
 
-def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path) -> None:
-    """The run folder is, or can be made, a writable folder (nothing is created yet)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        parser.error(f"--out-dir {out_dir} is a file, not a folder")
-    existing = next(path for path in (out_dir.absolute(), *out_dir.absolute().parents) if path.exists())
-    if not existing.is_dir():
-        parser.error(f"--out-dir {out_dir}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):  # also false on a read-only filesystem
-        parser.error(f"--out-dir {out_dir}: {existing} is not writable (read-only filesystem or no permission)")
+def run_folder_problem(args) -> str | None:
+    """Why this run may not start in --out-dir as it is now (checked while holding it), or None."""
+    found = present(args.out_dir, RUN_OUTPUTS)
+    if found and not (args.resume or args.overwrite):
+        return (f"--out-dir {args.out_dir} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+                f"--overwrite to start again, or choose another --out-dir")
+    return None
+
+
+@contextlib.contextmanager
+def hold_run_folder(args, dist: distributed.DistInfo):
+    """Rank 0 holds --out-dir for the whole run (llmscratch.runfolder.claim); ValueError on every process if it
+    cannot, or if the folder holds a run that these flags may not touch."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if dist.is_main:  # multi-node: only rank 0 needs the run folder
+            try:
+                stack.enter_context(claim(args.out_dir))
+                problem = run_folder_problem(args)
+            except FolderInUse as err:
+                problem = f"--out-dir {err}"
+        problem = distributed.broadcast_object(problem)
+        if problem is not None:
+            raise ValueError(problem)
+        yield
 
 
 # --------------------------------------------------------------------------- data
@@ -265,12 +291,7 @@ def load_data(args, dist) -> tuple[BPETokenizer, np.ndarray, np.ndarray, str]:
         check_lengths(meta["num_tokens"]["train"], meta["num_tokens"]["val"], context_length, "tokens", folder)
         train, val = load_token_split(folder, "train"), load_token_split(folder, "val")
         return tokenizer, train, val, f"{folder}: {len(train):,} train and {len(val):,} validation tokens"
-    texts = []
-    for path in args.data:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise ValueError(f"--data {path} is not UTF-8 text ({err})") from None
+    texts = [read_text_file(path, "--data") for path in args.data]
     if not any(texts):
         raise ValueError(f"--data {' '.join(map(str, args.data))}: no text (empty file{'s' * (len(texts) > 1)})")
     text = ENDOFTEXT.join(texts)  # documents separated by the end-of-text token
@@ -344,6 +365,16 @@ def run_flags(args) -> dict:
     return json.loads(json.dumps(flags))
 
 
+def remove_outputs(out_dir: Path) -> None:
+    """Delete what an earlier run left in ``out_dir`` (a fresh start with --overwrite)."""
+    for name in present(out_dir, RUN_OUTPUTS):
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)  # a sharded run's checkpoint/
+        else:
+            path.unlink()
+
+
 def save_run_files(out_dir: Path, flags: dict, tokenizer: BPETokenizer) -> None:
     tokenizer.save(out_dir / TOKENIZER_FILE)
     write_text_atomically(out_dir / RUN_FILE, json.dumps(flags, indent=2) + "\n")
@@ -363,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         # A traceback keeps its frames' locals (the Trainer and its DDP wrapper) alive; they must go
         # before the process group does, or freeing them at exit can hang (see distributed.teardown).
         traceback.clear_frames(err.__traceback__)
+        if isinstance(err, KeyboardInterrupt):  # Ctrl-C outside training (loading the data, or once it stopped)
+            print("\ninterrupted", file=sys.stderr)
+            return 130
         raise
     finally:
         distributed.teardown()
@@ -372,15 +406,17 @@ def run(argv: list[str] | None, dist: distributed.DistInfo, start: float) -> int
     """The whole run but joining and leaving the process group; returns the exit status."""
     args = parse_args(argv, dist)
     say = print if dist.is_main else (lambda *a, **k: None)
-    try:
-        tokenizer, train, val, described = load_data(args, dist)
-        model_config, train_config = build_configs(args, tokenizer, dist.device)
-        mesh_shape(model_config, train_config, dist.world_size)  # a mesh that does not divide the model: refused here
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    say(f"data: {described}")
-    result = train_and_export(args, dist, tokenizer, train, val, model_config, train_config, say)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(hold_run_folder(args, dist))  # no other run may write here while this one does
+            tokenizer, train, val, described = load_data(args, dist)
+            model_config, train_config = build_configs(args, tokenizer, dist.device)
+            mesh_shape(model_config, train_config, dist.world_size)  # a mesh that does not fit the model: refused
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        say(f"data: {described}")
+        result = train_and_export(args, dist, tokenizer, train, val, model_config, train_config, say)
     if isinstance(result, int):
         return result
     minutes, seconds = divmod(time.perf_counter() - start, 60)
@@ -420,6 +456,8 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
 
     def record_run() -> None:  # only once a resumed checkpoint is accepted: a refused --resume changes nothing
         if dist.is_main:  # on --resume too: flags given now (a larger --max-steps) stick
+            if not args.resume:  # --overwrite: nothing of the run before may be mistaken for this one's
+                remove_outputs(args.out_dir)
             save_run_files(args.out_dir, flags, tokenizer)
 
     try:
@@ -438,34 +476,24 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
     except TrainingStopped as stopped:
         say(f"\ninterrupted: {checkpoint} holds step {stopped.step}; --resume --out-dir {args.out_dir} "
             f"restarts from step {stopped.step}")
-        return 130
+        return exit_status(trainer)
     except KeyboardInterrupt:
-        restart = (f"--resume --out-dir {args.out_dir} restarts from step {trainer.saved_step}, its last checkpoint"
-                   if trainer.saved_step is not None else "no checkpoint was written, so there is nothing to resume")
-        say(f"\ninterrupted at step {trainer.step}; {restart}")
-        return 130
+        say(f"\ninterrupted at step {trainer.step}; {restart_from(trainer, args.out_dir)}")
+        return exit_status(trainer)
+    except RuntimeError as err:
+        if not distributed.lost_peer(err):
+            raise
+        print(f"error: process {dist.rank} stops: another process of this run has died (see its own output; "
+              f"{str(err).splitlines()[0][:200]}); {restart_from(trainer, args.out_dir)}", file=sys.stderr)
+        return 1
     return summary
 
 
-@contextlib.contextmanager
-def stop_on_signals(trainer: Trainer, say):
-    """Ctrl-C (SIGINT) or SIGTERM: finish the step under way, save it and stop; a second one stops at once."""
-    def handle(signum, frame):
-        if trainer.stop_requested:
-            raise KeyboardInterrupt
-        trainer.request_stop()
-        say(f"\n{signal.Signals(signum).name}: stopping at the end of the step under way, with a checkpoint "
-            f"(send it again to stop at once, without one)")
-
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def restart_from(trainer: Trainer, out_dir: Path) -> str:
+    """Where a resumed run would start, for a run that stopped without a checkpoint of its last step."""
+    if trainer.saved_step is None:
+        return "no checkpoint was written, so there is nothing to resume"
+    return f"--resume --out-dir {out_dir} restarts from step {trainer.saved_step}, its last checkpoint"
 
 
 if __name__ == "__main__":

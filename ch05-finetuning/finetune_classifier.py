@@ -10,21 +10,28 @@ llmscratch.classify.Classifier.load, then .classify(text)) and, with LoRA, adapt
 """
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from llmscratch.assets import SMS_SPAM_PATH
+from llmscratch.atomic import write_json_atomically
 from llmscratch.classify import (
     SPAM_LABELS, Classifier, GPTClassifier, classification_loss, evaluate_classifier, make_batches, spam_splits,
 )
-from llmscratch.cli import add_finetune_flags, check_finetune_flags, finetune_config, value_errors_exit
-from llmscratch.finetune import FinetuneConfig, end_of_text_id, fit, load_base, set_trainable
-from llmscratch.lora import lora_layers, merge_lora, save_adapters
+from llmscratch.cli import (
+    add_finetune_flags, add_out_dir_flags, check_finetune_flags, finetune_config, run_folder, value_errors_exit,
+)
+from llmscratch.finetune import (
+    ADAPTERS_FILE, FinetuneConfig, check_trainable, end_of_text_id, fit, fit_and_save, load_base, set_trainable,
+)
+from llmscratch.runfolder import save_or_rescue
 
 DEFAULTS = FinetuneConfig(epochs=3, batch_size=8, lr=5e-4, trainable="all", last_k=2)
+MODEL_FILE, METRICS_FILE, PLOT_FILE = "classifier.pt", "metrics.json", "training.png"
+OUTPUTS = (MODEL_FILE, ADAPTERS_FILE, METRICS_FILE, PLOT_FILE)  # what a run leaves in --out-dir
 EXAMPLE_MESSAGES = ["Hey, are we still meeting for lunch tomorrow?",
                     "WINNER! You have been selected for a 1000 cash prize. Call 09061701461 now to claim."]
 
@@ -38,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: the bundled SMS Spam Collection)")
     parser.add_argument("--max-length", type=int, default=128,
                         help="tokens kept per message (longer ones are cut; at most the model's context length)")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/classifier"), help="the run folder")
+    add_out_dir_flags(parser, Path("runs/classifier"), holds=", ".join(OUTPUTS))
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 32 training messages, 1 epoch, 32 tokens per message")
     args = parser.parse_args(argv)
@@ -72,15 +79,18 @@ def plot(history: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    with value_errors_exit():  # e.g. a malformed --data file: a message, not a traceback
-        run(args, finetune_config(args))
+    with value_errors_exit(), run_folder(args, OUTPUTS):  # e.g. a malformed --data file: a message
+        status = run(args, finetune_config(args))
+    if status:
+        sys.exit(status)
 
 
-def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
+def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
     start, device = time.perf_counter(), args.device
     torch.manual_seed(config.seed)
     splits = spam_splits(seed=config.seed, path=args.data)  # a malformed file fails before the model loads
     gpt, tokenizer = load_base(args.base, device, args.tokenizer)
+    check_trainable(gpt, config)
     pad_id = end_of_text_id(tokenizer)
     max_length = min(args.max_length, gpt.config.context_length)
     if args.test_mode:  # and one epoch: finetune_config saw to that
@@ -100,32 +110,37 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     before = evaluate_classifier(model, batches["test"], dtype)
     print(f"test accuracy before finetuning: {before['accuracy']:.1%}")
 
-    history = fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, pad_id, max_length,
-                                                    shuffle_seed=config.seed + epoch),
-                  classification_loss, config, device,
-                  evaluate=lambda: evaluate_classifier(model, batches["validation"], dtype),
-                  progress=not args.no_progress, description="classifier")
+    classifier = Classifier(model, tokenizer, SPAM_LABELS, pad_id, max_length)
+    history, stopped = fit_and_save(
+        model.gpt, lambda stop: fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, pad_id,
+                                                                  max_length, shuffle_seed=config.seed + epoch),
+                                classification_loss, config, device,
+                                evaluate=lambda: evaluate_classifier(model, batches["validation"], dtype),
+                                progress=not args.no_progress, description="classifier", stop=stop),
+        args.out_dir, MODEL_FILE, classifier.save, OUTPUTS)
+    metrics = {"test_before": before, "history": history, "trainable_parameters": trainable, "base": str(args.base),
+               "max_length": max_length, "pad_id": pad_id, "config": {**vars(config), "lora": vars(config.lora)}}
+    if stopped is not None:  # Ctrl-C: the model so far is saved; no test scores
+        save_or_rescue(args.out_dir, lambda folder: write_json_atomically(folder / METRICS_FILE, {
+            **metrics, "interrupted": str(stopped), "seconds": time.perf_counter() - start}), "the metrics")
+        print(f"\ninterrupted: {stopped}; saved the classifier trained so far to {args.out_dir / MODEL_FILE} "
+              f"(not scored on the test split)")
+        return stopped.exit_status
     after = evaluate_classifier(model, batches["test"], dtype)
     seconds = time.perf_counter() - start
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    if lora_layers(model):
-        save_adapters(model.gpt, args.out_dir / "adapters.safetensors")  # names as in a plain GPT
-        merge_lora(model)
-    classifier = Classifier(model, tokenizer, SPAM_LABELS, pad_id, max_length)
-    classifier.save(args.out_dir / "classifier.pt")
-    metrics = {"test_before": before, "test": after, "history": history, "seconds": seconds,
-               "trainable_parameters": trainable, "base": str(args.base), "max_length": max_length, "pad_id": pad_id,
-               "config": {**vars(config), "lora": vars(config.lora)}}
-    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-    plot(history, args.out_dir / "training.png")
+    def save_reports(folder: Path) -> None:
+        write_json_atomically(folder / METRICS_FILE, {**metrics, "test": after, "seconds": seconds})
+        plot(history, folder / PLOT_FILE)
 
+    save_or_rescue(args.out_dir, save_reports, "the metrics and plot")
     print(f"test accuracy {after['accuracy']:.1%}, precision {after['precision']:.1%}, recall {after['recall']:.1%}, "
           f"F1 {after['f1']:.1%} (before: accuracy {before['accuracy']:.1%}); {seconds:.0f} s in all")
     print(f"confusion matrix (rows: true ham, spam; columns: predicted): {after['confusion']}")
     for message in EXAMPLE_MESSAGES:
         print(f"  {classifier.classify(message):>4}  <- {message!r}")
-    print(f"saved {args.out_dir}/: metrics.json, training.png, classifier.pt")
+    print(f"saved {args.out_dir}/: {METRICS_FILE}, {PLOT_FILE}, {MODEL_FILE}")
+    return 0
 
 
 if __name__ == "__main__":

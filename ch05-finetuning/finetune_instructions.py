@@ -13,22 +13,31 @@ llmscratch.checkpoint.model_from_checkpoint accept) and, with LoRA, adapters.saf
 """
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from llmscratch.assets import INSTRUCTIONS_PATH
+from llmscratch.atomic import write_json_atomically, write_text_atomically
 from llmscratch.checkpoint import export_model
-from llmscratch.cli import add_finetune_flags, check_finetune_flags, finetune_config, value_errors_exit
-from llmscratch.finetune import FinetuneConfig, end_of_text_id, fit, load_base, set_trainable
-from llmscratch.instruct import (
-    comparison_table, encode_records, lm_loss, make_batches, read_instruction_splits, response_loss, score_answers,
+from llmscratch.cli import (
+    add_finetune_flags, add_out_dir_flags, check_finetune_flags, finetune_config, run_folder, value_errors_exit,
 )
-from llmscratch.lora import lora_layers, merge_lora, save_adapters
+from llmscratch.finetune import (
+    ADAPTERS_FILE, FinetuneConfig, check_trainable, end_of_text_id, fit, fit_and_save, load_base, set_trainable,
+)
+from llmscratch.instruct import (
+    answers_jsonl, comparison_table, encode_records, lm_loss, make_batches, read_instruction_splits, response_loss,
+    score_answers,
+)
+from llmscratch.runfolder import save_or_rescue
 
 DEFAULTS = FinetuneConfig(epochs=8, batch_size=8, lr=1e-3, trainable="all")
+MODEL_FILE, METRICS_FILE = "model.safetensors", "metrics.json"
+TABLE_FILE, ANSWERS_FILE = "comparison.md", "answers.jsonl"
+OUTPUTS = (MODEL_FILE, ADAPTERS_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE)  # what a run leaves in --out-dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-on-prompt", action="store_true",
                         help="learn the prompt tokens too (default: mask them, so only the response is learned)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="longest answer generated per test prompt")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/instructions"), help="the run folder")
+    add_out_dir_flags(parser, Path("runs/instructions"), holds=", ".join(OUTPUTS))
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 2 training records per family, 1 epoch, "
                              "1 test record per family")
@@ -55,15 +64,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    with value_errors_exit():  # e.g. a malformed --data record: a message, not a traceback
-        run(args, finetune_config(args))
+    with value_errors_exit(), run_folder(args, OUTPUTS):  # e.g. a malformed --data record: a message
+        status = run(args, finetune_config(args))
+    if status:
+        sys.exit(status)
 
 
-def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
+def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     splits = read_instruction_splits(args.data, args.test_mode)
     model, tokenizer = load_base(args.base, args.device, args.tokenizer)
+    check_trainable(model, config)
     eos_id = end_of_text_id(tokenizer)
     max_length = model.config.context_length
     encoded = {}
@@ -86,35 +98,39 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> None:
     print(f"training {trainable:,} parameters ({config.trainable})")
     mask_prompt = not args.train_on_prompt
     validation = encoded["validation"]
-    history = fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, eos_id, mask_prompt,
-                                                    max_length, shuffle_seed=config.seed + epoch),
-                  lm_loss, config, args.device,
-                  evaluate=(lambda: {"response_loss": response_loss(model, validation, eos_id, max_length=max_length,
-                                                                    dtype=dtype)}) if validation else None,
-                  progress=progress, description="instructions")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    if lora_layers(model):
-        save_adapters(model, args.out_dir / "adapters.safetensors")
-        merge_lora(model)
+    history, stopped = fit_and_save(
+        model, lambda stop: fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, eos_id,
+                                                                  mask_prompt, max_length,
+                                                                  shuffle_seed=config.seed + epoch),
+                                lm_loss, config, args.device,
+                                evaluate=(lambda: {"response_loss": response_loss(
+                                    model, validation, eos_id, max_length=max_length, dtype=dtype)})
+                                if validation else None,
+                                progress=progress, description="instructions", stop=stop),
+        args.out_dir, MODEL_FILE, lambda path: export_model(model, path, tokenizer), OUTPUTS)
+    metrics = {"base": base_scores, "history": history, "trainable_parameters": trainable, "mask_prompt": mask_prompt,
+               "base_model": str(args.base), "config": {**vars(config), "lora": vars(config.lora)}}
+    if stopped is not None:  # Ctrl-C: the model so far is saved; its answers are not scored
+        save_or_rescue(args.out_dir, lambda folder: write_json_atomically(folder / METRICS_FILE, {
+            **metrics, "interrupted": str(stopped), "seconds": time.perf_counter() - start}), "the metrics")
+        print(f"\ninterrupted: {stopped}; saved the model trained so far to {args.out_dir / MODEL_FILE} "
+              f"(its answers not scored)")
+        return stopped.exit_status
     scores, answers = score_answers(model, tokenizer, splits["test"], encoded["test"], eos_id, args.max_new_tokens,
                                     dtype, progress)
     seconds = time.perf_counter() - start
-
-    export_model(model, args.out_dir / "model.safetensors", tokenizer)
     table = comparison_table({"base": base_scores, "finetuned": scores})
-    (args.out_dir / "comparison.md").write_text(table + "\n", encoding="utf-8")
-    with open(args.out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
-        for record, base, tuned in zip(splits["test"], base_answers, answers):
-            f.write(json.dumps({**record, "base": base.text, "finetuned": tuned.text,
-                                "finetuned_well_formed": tuned.well_formed}, ensure_ascii=False) + "\n")
-    metrics = {"base": base_scores, "finetuned": scores, "history": history, "seconds": seconds,
-               "trainable_parameters": trainable, "mask_prompt": mask_prompt, "base_model": str(args.base),
-               "config": {**vars(config), "lora": vars(config.lora)}}
-    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-    print(table)
-    print(f"{seconds:.0f} s in all; saved {args.out_dir}/: metrics.json, comparison.md, answers.jsonl, "
-          "model.safetensors")
 
+    def save_reports(folder: Path) -> None:
+        write_text_atomically(folder / TABLE_FILE, table + "\n")
+        write_text_atomically(folder / ANSWERS_FILE, answers_jsonl(splits["test"], {"base": base_answers,
+                                                                                    "finetuned": answers}))
+        write_json_atomically(folder / METRICS_FILE, {**metrics, "finetuned": scores, "seconds": seconds})
+
+    save_or_rescue(args.out_dir, save_reports, "the scores and answers")
+    print(table)
+    print(f"{seconds:.0f} s in all; saved {args.out_dir}/: {METRICS_FILE}, {TABLE_FILE}, {ANSWERS_FILE}, {MODEL_FILE}")
+    return 0
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmscratch.assets import INSTRUCTIONS_PATH, read_moby_dick, write_or_check_records
+from llmscratch.cli import check_out_files, run_script
 from llmscratch.instruct import validate_records
 
 SPLITS = {"train": 0.7, "validation": 0.1, "test": 0.2}
@@ -138,6 +139,9 @@ FAMILIES: dict[str, Callable[[random.Random, list[str]], tuple[str, str, str]]] 
 }
 
 
+STALLED = 10_000  # draws in a row without a new record, after which a family counts as exhausted
+
+
 def make_records(per_family: int, seed: int) -> list[dict]:
     """per_family unique records of every family, each with its family and split."""
     rng = random.Random(seed)
@@ -145,10 +149,10 @@ def make_records(per_family: int, seed: int) -> list[dict]:
     words = common_words()
     for family, draw in FAMILIES.items():
         seen: dict[tuple[str, str], str] = {}
-        for _ in range(100 * per_family):  # a family with too few distinct records fails below
-            if len(seen) == per_family:
-                break
+        repeats = 0  # draws in a row that gave nothing new: many of them, and the family has run dry
+        while len(seen) < per_family and repeats < STALLED:  # a family with too few distinct records fails below
             instruction, input_text, output = draw(rng, words)
+            repeats = repeats + 1 if (instruction, input_text) in seen else 0
             seen.setdefault((instruction, input_text), output)
         if len(seen) < per_family:
             raise ValueError(f"family {family!r} has only {len(seen)} distinct records, fewer than {per_family}")
@@ -174,6 +178,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.per_family < 10:
         parser.error(f"--per-family must be at least 10 (to fill the three splits), got {args.per_family}")
+    if not args.check:
+        check_out_files(parser, {"--out": args.out})
     try:
         records = make_records(args.per_family, args.seed)
         write_or_check_records({args.out: records}, args.check)
@@ -187,4 +193,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -17,7 +17,6 @@ model.safetensors (LoRA merged; with LoRA, adapters.safetensors too).
 
 import argparse
 import dataclasses
-import json
 import subprocess
 import sys
 import time
@@ -26,20 +25,35 @@ from pathlib import Path
 import torch
 
 from llmscratch.assets import INSTRUCTIONS_PATH, PREFERENCES_PATH
+from llmscratch.atomic import write_json_atomically, write_text_atomically
 from llmscratch.checkpoint import export_model
 from llmscratch.cli import (
     HelpFormatter,
     add_flags,
+    add_lora_flags,
+    add_out_dir_flags,
     build_config,
-    finite_float,
+    check_in_files,
+    check_out_dir,
     refuse,
+    run_folder,
     value_errors_exit,
 )
 from llmscratch.config import DPOConfig
 from llmscratch.device import autocast, resolve_device
 from llmscratch.evaluation import evaluating
-from llmscratch.finetune import end_of_text_id, fit, load_base, set_trainable
+from llmscratch.finetune import (
+    ADAPTERS_FILE,
+    check_trainable,
+    end_of_text_id,
+    fit,
+    fit_and_save,
+    load_base,
+    set_trainable,
+)
+from llmscratch.interrupt import StopRequest
 from llmscratch.instruct import (
+    answers_jsonl,
     comparison_table,
     encode_records,
     lm_loss,
@@ -48,11 +62,12 @@ from llmscratch.instruct import (
     score_answers,
     split_records,
 )
-from llmscratch.lora import LoRAConfig, lora_layers, merge_lora, save_adapters
+from llmscratch.lora import LoRAConfig
 from llmscratch.preference import (
     DPOLoss,
     PreferenceBatch,
     ReferenceModel,
+    count_ties,
     dpo_loss,
     encode_pairs,
     make_pair_batches,
@@ -61,9 +76,13 @@ from llmscratch.preference import (
     sequence_logprobs,
     validate_pairs,
 )
+from llmscratch.runfolder import save_or_rescue
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
 DEFAULTS = DPOConfig(epochs=2, batch_size=8, lr=2e-5, beta=0.1, trainable="all")
+MODEL_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE, PLOT_FILE = (
+    "model.safetensors", "metrics.json", "comparison.md", "answers.jsonl", "dpo.png")
+OUTPUTS = (MODEL_FILE, ADAPTERS_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE, PLOT_FILE)  # what a run leaves
 
 
 def train_instruction_model(argv: list[str]) -> None:
@@ -88,17 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--instructions", type=Path, default=INSTRUCTIONS_PATH,
                         help="the instruction records whose test split is answered to score exact match and "
                              "well-formed answers (as ch05's --data)")
-    add_flags(parser, DEFAULTS, "beta", "label_smoothing", "sft_weight", "trainable", "last_k")
-    parser.add_argument("--lora", action="store_true", help="shorthand for --trainable lora (here the adapters alone: the head stays as it "
-                             "was, so the model with its adapters off is exactly the reference)")
-    parser.add_argument("--lora-rank", type=int, default=DEFAULTS.lora.rank, help="rank of the LoRA matrices")
-    parser.add_argument("--lora-alpha", type=finite_float, default=DEFAULTS.lora.alpha,
-                        help="LoRA scale: the update is multiplied by alpha / rank")
+    add_flags(parser, DEFAULTS, "beta", "label_smoothing", "sft_weight")
+    add_lora_flags(parser, DEFAULTS, "shorthand for --trainable lora (here the adapters alone: the head stays as it "
+                                     "was, so the model with its adapters off is exactly the reference)")
     add_flags(parser, DEFAULTS, "epochs", "lr", "batch_size", "warmup_fraction", "dtype", "seed")
     parser.add_argument("--max-new-tokens", type=int, default=24,
                         help="longest answer generated per test prompt (as ch05's script)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/preferences"), help="the run folder")
+    add_out_dir_flags(parser, Path("runs/preferences"), holds=", ".join(OUTPUTS))
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 2 training pairs per family, 1 epoch, 13 held-out pairs "
                              "and 13 test prompts, answers of at most 8 tokens")
@@ -113,11 +129,10 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not args.model.exists() and args.model != DEFAULT_MODEL:  # only the default is trained when missing
         parser.error(f"--model {args.model}: no such file or folder (expected a model.safetensors of "
                      "ch05-finetuning/finetune_instructions.py)")
-    for name in ("data", "instructions"):
-        if not getattr(args, name).is_file():
-            parser.error(f"--{name} {getattr(args, name)}: no such file")
+    check_in_files(parser, {"--data": args.data, "--instructions": args.instructions})
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_out_dir(parser, args.out_dir, starting_model=("--model", args.model))
     try:
         args.device = resolve_device(args.device)
     except ValueError as err:
@@ -144,7 +159,11 @@ def read_pairs(path: Path, test_mode: bool) -> dict[str, list[dict]]:
         records = validate_pairs(read_json_records(path))
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    return split_records(records, path, test_mode)
+    splits = split_records(records, path, test_mode)
+    if ties := count_ties(splits["train"], f"{path}, 'train' split"):
+        print(f"note: {ties:,} of the {len(splits['train']):,} training pairs in {path} have the same chosen and "
+              f"rejected response: they carry no preference")
+    return splits
 
 
 def pair_batches(splits: dict[str, list[dict]], tokenizer, reference: ReferenceModel, config: DPOConfig,
@@ -167,14 +186,14 @@ def pair_batches(splits: dict[str, list[dict]], tokenizer, reference: ReferenceM
 
 # --------------------------------------------------------------------------- training and scores
 def train(model: torch.nn.Module, batches: dict[str, list[PreferenceBatch]], config: DPOConfig,
-          device: torch.device, progress: bool) -> tuple[list[dict], list[dict]]:
-    """DPO on the train batches with ``finetune.fit``; returns its epoch records and one record per step.
+          device: torch.device, progress: bool, steps: list[dict], stop: StopRequest | None = None) -> list[dict]:
+    """DPO on the train batches with ``finetune.fit``; returns its epoch records and appends one record per
+    step to ``steps`` (so they are there even if Ctrl-C stops it early, through ``stop``).
 
     The batches keep their rows (their reference log-probabilities are precomputed); each epoch
     takes them in a new seeded order. After each epoch, the validation pairs are scored.
     """
     dpo = DPOLoss(None, config.beta, config.label_smoothing)  # every batch carries its reference log-probabilities
-    steps: list[dict] = []
 
     def step_loss(policy: torch.nn.Module, batch: PreferenceBatch) -> torch.Tensor:
         loss = dpo(policy, batch)
@@ -192,10 +211,9 @@ def train(model: torch.nn.Module, batches: dict[str, list[PreferenceBatch]], con
         return [batches["train"][i] for i in order.tolist()]
 
     validation = batches["validation"]
-    history = fit(model, epoch_batches, step_loss, config, device,
-                  evaluate=(lambda: preference_scores(model, validation, config)) if validation else None,
-                  progress=progress, description="DPO")
-    return history, steps
+    return fit(model, epoch_batches, step_loss, config, device,
+               evaluate=(lambda: preference_scores(model, validation, config)) if validation else None,
+               progress=progress, description="DPO", stop=stop)
 
 
 @torch.no_grad()
@@ -277,17 +295,20 @@ def starting_model(args: argparse.Namespace, train=train_instruction_model) -> P
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> None:
     args = parse_args(argv)
-    with value_errors_exit():  # e.g. a malformed --data record: a message, not a traceback
-        run(args, dpo_config(args))
+    with value_errors_exit(), run_folder(args, OUTPUTS):  # e.g. a malformed --data record: a message
+        status = run(args, dpo_config(args))
+    if status:
+        sys.exit(status)
 
 
-def run(args: argparse.Namespace, config: DPOConfig) -> None:
+def run(args: argparse.Namespace, config: DPOConfig) -> int:
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     pair_splits = read_pairs(args.data, args.test_mode)
     instructions = read_instruction_splits(args.instructions, args.test_mode)["test"]
     model_path = starting_model(args)
     model, tokenizer = load_base(model_path, args.device)
+    check_trainable(model, config)
     eos_id, context, dtype = end_of_text_id(tokenizer), model.config.context_length, config.torch_dtype
     try:
         encoded = encode_records(instructions, tokenizer, context)
@@ -308,34 +329,38 @@ def run(args: argparse.Namespace, config: DPOConfig) -> None:
           f"{start_scores['well_formed']:.1%}, likelihood accuracy {start_pairs['likelihood_accuracy']:.1%}; "
           f"training {trainable:,} parameters ({config.trainable})")
 
-    history, steps = train(model, batches, config, args.device, progress=progress)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    if lora_layers(model):
-        save_adapters(model, args.out_dir / "adapters.safetensors")
-        merge_lora(model)
+    steps: list[dict] = []
+    history, stopped = fit_and_save(
+        model, lambda stop: train(model, batches, config, args.device, progress, steps, stop), args.out_dir,
+        MODEL_FILE, lambda path: export_model(model, path, tokenizer), OUTPUTS)
+    metrics = {"instruction_model": {**start_scores, "pairs": start_pairs}, "history": history, "steps": steps,
+               "trainable_parameters": trainable, "starting_model": str(model_path), "data": str(args.data),
+               "pairs_per_split": {name: len(split) for name, split in pair_splits.items()},
+               "config": {**vars(config), "lora": vars(config.lora)}}
+    if stopped is not None:  # Ctrl-C: the model so far is saved; it is not scored
+        save_or_rescue(args.out_dir, lambda folder: write_json_atomically(folder / METRICS_FILE, {
+            **metrics, "interrupted": str(stopped), "seconds": time.perf_counter() - start}), "the metrics")
+        print(f"\ninterrupted: {stopped}; saved the model trained so far to {args.out_dir / MODEL_FILE} (not scored)")
+        return stopped.exit_status
     pairs = preference_scores(model, batches["test"], config)
     scores, answers = score_answers(model, tokenizer, instructions, encoded, eos_id, args.max_new_tokens, dtype,
                                     progress)
     seconds = time.perf_counter() - start
-
-    export_model(model, args.out_dir / "model.safetensors", tokenizer)
-    plot(steps, history, len(batches["train"]), pairs["accuracy"], args.out_dir / "dpo.png")
     table = (comparison_table({"instruction model": start_scores, "DPO": scores}) + "\n\n"
              + preference_table({"instruction model": start_pairs, "DPO": pairs}))
-    (args.out_dir / "comparison.md").write_text(table + "\n", encoding="utf-8")
-    lines = [json.dumps({**record, "instruction_model": before.text, "dpo": after.text,
-                         "dpo_well_formed": after.well_formed}, ensure_ascii=False) + "\n"
-             for record, before, after in zip(instructions, start_answers, answers)]
-    (args.out_dir / "answers.jsonl").write_text("".join(lines), encoding="utf-8")
-    metrics = {"instruction_model": {**start_scores, "pairs": start_pairs}, "dpo": {**scores, "pairs": pairs},
-               "history": history, "steps": steps, "seconds": seconds, "trainable_parameters": trainable,
-               "starting_model": str(model_path), "data": str(args.data),
-               "pairs_per_split": {name: len(split) for name, split in pair_splits.items()},
-               "config": {**vars(config), "lora": vars(config.lora)}}
-    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+
+    def save_reports(folder: Path) -> None:
+        plot(steps, history, len(batches["train"]), pairs["accuracy"], folder / PLOT_FILE)
+        write_text_atomically(folder / TABLE_FILE, table + "\n")
+        write_text_atomically(folder / ANSWERS_FILE, answers_jsonl(instructions, {"instruction_model": start_answers,
+                                                                                  "dpo": answers}))
+        write_json_atomically(folder / METRICS_FILE, {**metrics, "dpo": {**scores, "pairs": pairs}, "seconds": seconds})
+
+    save_or_rescue(args.out_dir, save_reports, "the scores, answers and plot")
     print(table)
-    print(f"{seconds:.0f} s in all; saved {args.out_dir}/: metrics.json, dpo.png, comparison.md, answers.jsonl, "
-          "model.safetensors")
+    print(f"{seconds:.0f} s in all; saved {args.out_dir}/: {METRICS_FILE}, {PLOT_FILE}, {TABLE_FILE}, {ANSWERS_FILE}, "
+          f"{MODEL_FILE}")
+    return 0
 
 
 if __name__ == "__main__":

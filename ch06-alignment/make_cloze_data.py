@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick, write_or_check_records
+from llmscratch.cli import check_out_files, run_script
 from llmscratch.report import VAL_FRACTION, held_out_moby_dick
 
 # A sentence end: the mark and any closing quotes or bracket, then whitespace before a capital
@@ -119,6 +120,8 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit with an error if --out differs from what would be written")
     args = parser.parse_args(argv)
+    if not args.check:
+        check_out_files(parser, {"--out": args.out})
     text = read_moby_dick()
     held_out = held_out_moby_dick(text)
     try:
@@ -134,4 +137,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -42,6 +42,8 @@ from llmscratch.assets import (
     dumps_records,
     write_or_check_records,
 )
+from llmscratch.atomic import write_text_atomically
+from llmscratch.cli import check_out_files, run_script
 from llmscratch.evaluation import exact_match, normalize_answer
 from llmscratch.instruct import SPLITS, format_prompt, validate_records
 from llmscratch.preference import validate_pairs
@@ -314,6 +316,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.answers_from is not None and not args.answers_from.exists():
         parser.error(f"--answers-from {args.answers_from}: no such file or folder (train it with "
                      "ch05-finetuning/finetune_instructions.py)")
+    written = ({"--answers": args.answers} if args.answers_from is not None else {}) | \
+        ({} if args.check else {"--preferences": args.preferences, "--choices": args.choices})
+    check_out_files(parser, written, inputs={"--instructions": args.instructions} | (
+        {"--answers": args.answers} if args.answers_from is None else {}))
     return args
 
 
@@ -332,7 +338,7 @@ def run(args: argparse.Namespace, command: str) -> None:
     validate_records(records)
     if args.answers_from is not None:
         content = model_answers(args.answers_from, records, command, progress=not args.no_progress)
-        args.answers.write_text(dumps_answers(content), encoding="utf-8")
+        write_text_atomically(args.answers, dumps_answers(content))
         wrong = sum(not exact_match(a["answer"], r["output"]) for a, r in zip(content["answers"], records))
         print(f"wrote {len(records):,} answers to {args.answers}: {wrong:,} wrong")
     answers = read_json(args.answers, "the model's answers, written by --answers-from")
@@ -352,4 +358,4 @@ def run(args: argparse.Namespace, command: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

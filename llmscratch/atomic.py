@@ -7,10 +7,12 @@ the new one, never a mixture. A full disk is reported as such, naming the file a
 """
 
 import errno
+import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,10 +32,12 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> N
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A fresh name in the same folder (a rename across filesystems would not be atomic; several
-    # processes may write at once); the writer creates the file, so it gets the usual permissions.
+    # processes may write at once).
     tmp = str(_temporary_name(path))
     try:
         write(tmp)
+        # The mode of the file it replaces, or the usual one: some writers (safetensors) make 0600 files.
+        os.chmod(tmp, _mode_for(path))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
@@ -55,6 +59,21 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> N
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """``Path(path).write_text(text)`` in UTF-8, atomically."""
     write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def write_json_atomically(path: str | os.PathLike, content) -> None:
+    """``content`` as indented JSON (one trailing newline) in ``path``, atomically."""
+    write_text_atomically(path, json.dumps(content, indent=2) + "\n")
+
+
+def _mode_for(path: Path) -> int:
+    """The permission bits a file written at ``path`` gets: those of the file there now, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only way to read it: set it and put it back
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _temporary_name(path: Path) -> Path:

@@ -10,18 +10,28 @@ Two kinds of file:
 
 Both are written to a temporary file in the same folder and renamed over the old one: a
 crash mid-save leaves the previous file intact. ``model_from_checkpoint`` reads either.
+
+Both are checked when read, so damaged or wrong weights are refused rather than used: a
+checkpoint.pt against the CRC-32 its zip stores for every entry, a safetensors file we wrote
+against the sha256 in its metadata, and the weights of either (and of Hugging Face folders and
+LoRA adapters) by ``check_weights``: floating point and finite, as the file stores them.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
+import zipfile
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from llmscratch.atomic import write_atomically
@@ -30,6 +40,10 @@ from llmscratch.tokenizer import BPETokenizer
 
 CHECKPOINT_FORMAT = "llmscratch-checkpoint"
 EXPORT_FORMAT = "llmscratch-model"
+# The metadata entry of the checksum ``write_safetensors`` adds; named for us, so that another
+# tool's own "sha256" entry is never mistaken for it.
+CHECKSUM_KEY = "llmscratch_sha256"
+_DAMAGED = "the file was changed after it was written (disk or copy error)"
 # Prefixes that wrappers add to parameter names: torch.compile and DistributedDataParallel.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -90,13 +104,18 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a training checkpoint without running pickled code; a wrong file is a clear ValueError."""
+    """Load a training checkpoint without running pickled code; a wrong or damaged file is a clear ValueError.
+
+    Every zip entry is checked against its CRC-32 first (torch.load checks none), then the model
+    weights with ``check_weights``.
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}")
     if _is_safetensors(path):
         raise ValueError(f"{path} is a safetensors file (a model export?), not a training checkpoint; expected "
                          f"the checkpoint.pt of a run (a model export loads with model_from_checkpoint)")
+    check_zip_checksums(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
@@ -106,9 +125,57 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise ValueError(f"{path} is not a readable llmscratch checkpoint ({reason}); expected a checkpoint.pt "
                          f"written by save_checkpoint") from None
     if (not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT
-            or "model" not in state or "model_config" not in state):
+            or not isinstance(state.get("model"), dict) or "model_config" not in state):
         raise ValueError(f"{path} is not an llmscratch checkpoint (no 'model' and 'model_config')")
+    check_weights(state["model"], path)  # the optimizer's state may hold anything a step left there
     return state
+
+
+def check_zip_checksums(path: str | os.PathLike) -> None:
+    """ValueError naming the first entry of a ``torch.save`` file whose bytes do not match its CRC-32.
+
+    A file that is not a zip at all is left for ``torch.load`` to name. Entries stored with a CRC
+    of 0 are skipped: ``torch.serialization.set_crc32_options(False)`` writes every one so.
+    """
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        return
+    entry = None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                if entry.CRC == 0:
+                    continue
+                with archive.open(entry) as data:  # reading to the end compares the CRC-32
+                    while data.read(1 << 24):
+                        pass
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+        where = f"entry {entry.filename.partition('/')[2] or entry.filename}" if entry else "its zip directory"
+        what = "fails its checksum" if "CRC" in str(err) else f"is unreadable ({err})"
+        raise ValueError(f"{path} is damaged: {where} {what}; {_DAMAGED}; use another copy or an earlier "
+                         f"checkpoint") from None
+
+
+def check_weights(tensors: dict[str, Any], source: str | os.PathLike) -> None:
+    """ValueError naming the first tensor in ``tensors`` that is not floating point or not finite.
+
+    Run it on the tensors as a file stores them: loading them into a float model, or ``.to(dtype)``,
+    would turn integers into floats without a word.
+    """
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{source}: {name}: the file holds a {type(tensor).__name__}, expected a tensor")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{source}: {name}: the file holds {tensor.dtype} values, "
+                             f"expected floating point weights")
+        if torch.isfinite(tensor.sum()):  # a NaN or inf anywhere makes the sum one; 25x faster than isfinite()
+            continue
+        nan, infinite = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        if nan or infinite:  # else the sum only overflowed (a float16 tensor's can)
+            counts = " and ".join(f"{n:,} {kind}" for n, kind in ((nan, "NaN"), (infinite, "infinite")) if n)
+            raise ValueError(f"{source}: {name}: the file holds non-finite values ({counts} of "
+                             f"{tensor.numel():,}): a model with them computes NaN; the run that wrote them "
+                             f"diverged, or the file was edited")
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -181,34 +248,71 @@ def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokeni
 def export_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, path: str | os.PathLike,
                       tokenizer: BPETokenizer | None = None, dtype: torch.dtype | None = None) -> None:
     """``export_model`` from a full state dict and its config (e.g. gathered from a sharded model)."""
-    from safetensors.torch import save_file
-
-    tensors = {name: tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"an export's dtype must be a floating point type (e.g. torch.bfloat16), got {dtype}")
+    tensors = {name: tensor.detach().to("cpu", dtype or tensor.dtype)
                for name, tensor in clean_state_dict(state).items()}
     if config.tie_embeddings:
         del tensors["lm_head.weight"]  # the same matrix as the token embedding: stored once
     metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(config.to_dict())}
     if tokenizer is not None:
         metadata["tokenizer"] = tokenizer.to_json()
+    write_safetensors(path, tensors, metadata)
+
+
+# --------------------------------------------------------------------------- safetensors files
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (on the CPU) and ``metadata`` as a safetensors file, atomically, with their checksum.
+
+    The checksum (metadata entry ``CHECKSUM_KEY``) covers every other metadata entry and every
+    tensor's name, dtype, shape and bytes, so that ``read_safetensors`` finds any bit that changes.
+    """
+    tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    metadata = {**metadata, CHECKSUM_KEY: _content_digest(metadata, sorted(tensors.items()))}
     write_atomically(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def _content_digest(metadata: dict[str, str], tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of the metadata (less the checksum) and of each (name, tensor), taken in name order.
+
+    Each item is a line of JSON, then the tensor's bytes (as many as its dtype and shape say), so
+    no two different contents give the same stream.
+    """
+    digest = hashlib.sha256()
+    entries = {key: value for key, value in sorted(metadata.items()) if key != CHECKSUM_KEY}
+    digest.update(json.dumps(entries).encode() + b"\n")
+    for name, tensor in tensors:
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode() + b"\n")
+        # As bytes: bfloat16 has no numpy dtype, and bytes are what a flipped bit changes.
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def read_safetensors(path: str | os.PathLike, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The metadata and tensors (on the CPU; none if ``tensors`` is false) of a safetensors file.
 
     A missing, truncated or foreign file is a ValueError naming it: opening checks that the
-    header is whole and that the file covers every tensor it lists.
+    header is whole and that the file covers every tensor it lists. Read with its tensors, a
+    file that carries a checksum (``write_safetensors``) is checked against it; files without
+    one (Hugging Face downloads, older exports) load as they are. The metadata alone (``tensors``
+    false) is a quick look, unchecked: the checksum needs every tensor's bytes.
     """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no safetensors file at {path}")
     try:
         with safe_open(path, framework="pt") as f:
-            return f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
+            metadata = f.metadata() or {}
+            loaded = {name: f.get_tensor(name) for name in sorted(f.keys())} if tensors else {}
     except (SafetensorError, OSError) as err:  # e.g. "incomplete metadata, file not fully covered"
         raise ValueError(f"{path} is not a readable safetensors file (truncated, corrupt, or not a safetensors "
                          f"file at all: {err}); "
                          "copy or download it again") from None
+    checksum = metadata.get(CHECKSUM_KEY) if tensors else None
+    if checksum is not None and checksum != _content_digest(metadata, loaded.items()):  # loaded: in name order
+        raise ValueError(f"{path} is damaged: its tensors or metadata no longer match the checksum written with "
+                         f"them ({CHECKSUM_KEY}); {_DAMAGED}; use another copy or write it again")
+    return metadata, loaded
 
 
 def _read_export(path: Path, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -225,6 +329,7 @@ def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.dev
         if not path.is_file():
             raise ValueError(f"no model export at {path}")
         metadata, tensors = _read_export(path)
+        check_weights(tensors, path)
         config = config_from_dict(json.loads(metadata["model_config"]), str(path))
         if config.tie_embeddings and "token_embedding.weight" in tensors:
             tensors["lm_head.weight"] = tensors["token_embedding.weight"]
@@ -232,6 +337,11 @@ def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.dev
         load_model_state(model, tensors)
         return model.to(map_location)
     state = load_checkpoint(path, map_location)
+    if "labels" in state:  # Classifier.save's file: its head scores labels, not the next token
+        raise ValueError(f"{path} is a text classifier (labels {', '.join(map(str, state['labels']))}) saved by "
+                         f"ch05-finetuning/finetune_classifier.py: it scores texts and has no language-model head; "
+                         f"give a language model (a model.safetensors or checkpoint.pt of pretrain.py or "
+                         f"finetune_instructions.py, or a Hugging Face folder)")
     model = GPT(config_from_dict(state["model_config"], str(path)))
     load_model_state(model, state["model"])
     return model.to(map_location)
@@ -248,7 +358,7 @@ def tokenizer_from_checkpoint(path: str | os.PathLike) -> BPETokenizer:
     elif path.suffix == ".safetensors":
         if not path.is_file():
             raise ValueError(f"no model export at {path}")
-        text = _read_export(path, tensors=False)[0].get("tokenizer")
+        text = _read_export(path)[0].get("tokenizer")  # with the tensors: the checksum that covers it needs them
     else:
         text = load_checkpoint(path).get("tokenizer")
     if text is None:

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscratch.assets import SMS_SPAM_PATH
-from llmscratch.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from llmscratch.checkpoint import config_from_dict, load_checkpoint, load_model_state, save_checkpoint
+from llmscratch.data import read_text_file
 from llmscratch.device import autocast
 from llmscratch.evaluation import evaluating
 from llmscratch.lora import lora_layers
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 
 SPAM_LABELS = ("ham", "spam")  # class 0, class 1 (the positive class)
@@ -73,12 +74,9 @@ def read_labelled_texts(path: str | os.PathLike, labels: Sequence[str]) -> list[
     Empty lines are skipped; ValueError naming the file and line of anything else malformed.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"no labelled text file at {path}")
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: texts may hold \x0c etc.
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text: {err}") from None
+    lines = read_text_file(path).split("\n")  # not splitlines: texts may hold \x0c etc.
     examples = []
     for number, line in enumerate(lines, start=1):
         if not line:
@@ -247,10 +245,13 @@ class Classifier:
 
     @classmethod
     def load(cls, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> "Classifier":
+        """The classifier ``save`` wrote; ``load_checkpoint`` refuses a damaged file or broken weights."""
         state = load_checkpoint(path, map_location)
         if "labels" not in state:
-            raise ValueError(f"{path} is not a classifier checkpoint (no 'labels'); save one with Classifier.save")
-        model = GPTClassifier(GPT(GPTConfig(**state["model_config"])), len(state["labels"]))
+            raise ValueError(f"{path} is a language model's checkpoint (it has no 'labels'), not a text classifier; "
+                             f"give the classifier.pt that ch05-finetuning/finetune_classifier.py saves "
+                             f"(Classifier.save)")
+        model = GPTClassifier(GPT(config_from_dict(state["model_config"], str(path))), len(state["labels"]))
         load_model_state(model, state["model"])
         tokenizer = BPETokenizer.from_json(state["tokenizer"], source=str(Path(path)))
         return cls(model.to(map_location).eval(), tokenizer, tuple(state["labels"]), state["pad_id"],

@@ -2,8 +2,8 @@
 
 ``add_flags`` gives each named field of a config its flag (``max_steps`` becomes ``--max-steps``, with the
 field's type, help and choices), ``build_config`` makes the config from the parsed flags, and ``refuse``
-turns a value the config refused into ``parser.error``, naming the flag. The flags that the two finetuning
-scripts share come last.
+turns a value the config refused into ``parser.error``, naming the flag. Then the run folder's flags and
+checks (``llmscratch.runfolder`` behind them), and the flags that the finetuning scripts share.
 """
 
 import argparse
@@ -11,17 +11,20 @@ import contextlib
 import dataclasses
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from llmscratch.assets import PRETRAINED_PATH
 from llmscratch.config import ConfigError, FinetuneConfig, types_of
+from llmscratch.data import input_problem
 from llmscratch.device import resolve_device
 from llmscratch.lora import LoRAConfig
 from llmscratch.optim import TrainingDiverged
+from llmscratch.runfolder import FolderInUse, claim, file_problem, folder_problem, present, same_folder
 
-__all__ = ["HelpFormatter", "add_finetune_flags", "add_flags", "build_config", "check_finetune_flags",
-           "finetune_config", "finite_float", "refuse", "value_errors_exit"]
+__all__ = ["HelpFormatter", "add_finetune_flags", "add_flags", "add_lora_flags", "add_out_dir_flags", "build_config",
+           "check_finetune_flags", "check_in_files", "check_out_dir", "check_out_files", "finetune_config",
+           "finite_float", "refuse", "run_folder", "run_script", "value_errors_exit"]
 
 FLOAT32_MAX = 3.4028234663852886e38  # the weights' precision: a larger learning rate overflows in the optimizer
 
@@ -51,9 +54,10 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser, defaults, *names: str) -> None:
-    """A flag for each named field of the config ``defaults``, whose values are the flags' defaults."""
+def add_flags(parser, defaults, *names: str) -> list[argparse.Action]:
+    """A flag for each named field of the config ``defaults``, whose values are the flags' defaults; returns them."""
     declared = {f.name: f for f in dataclasses.fields(defaults)}
+    actions = []
     for name in names:
         declaration = declared[name]
         kind = next(t for t in types_of(declaration.type) if t is not type(None))  # int for int | None
@@ -62,7 +66,8 @@ def add_flags(parser, defaults, *names: str) -> None:
             options["action"] = "store_true"
         else:
             options.update(type=finite_float if kind is float else kind, choices=declaration.metadata["choices"])
-        parser.add_argument(flag(name), **options)
+        actions.append(parser.add_argument(flag(name), **options))
+    return actions
 
 
 def build_config(config_class, args: argparse.Namespace, **values):
@@ -80,18 +85,90 @@ def refuse(parser: argparse.ArgumentParser, err: ValueError):
 
 @contextlib.contextmanager
 def value_errors_exit() -> Iterator[None]:
-    """A ValueError (bad data, a model file that does not load) or a diverged run ends the script:
-    "error: ...", status 1."""
+    """A ValueError (bad data, a model file that does not load), a diverged run or a file that cannot be
+    written or read ends the script: "error: ...", status 1; Ctrl-C ends it with status 130. No traceback."""
     try:
         yield
-    except (ValueError, TrainingDiverged) as err:
+    except (ValueError, TrainingDiverged, OSError) as err:
         sys.exit(f"error: {err}")
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def run_script(main: Callable[[], int | None]) -> None:
+    """A script's ``if __name__ == "__main__":`` ``main()``'s return value is the exit status; Ctrl-C ends it with
+    status 130 and one line, not a traceback."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        status = 130
+    sys.exit(status)
+
+
+# --------------------------------------------------------------------------- the run folder
+def add_out_dir_flags(parser: argparse.ArgumentParser, default: Path, holds: str) -> None:
+    """--out-dir (default ``default``) and --overwrite; ``holds`` says what the run folder gets."""
+    parser.add_argument("--out-dir", type=Path, default=default, help=f"the run folder: {holds}")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results of an earlier run in --out-dir (without it, such a folder is "
+                             "refused)")
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path,
+                  starting_model: tuple[str, Path] | None = None) -> None:
+    """parser.error if --out-dir cannot be a writable folder, or is the folder of ``starting_model``
+    ((flag, path): the model a run starts from, which it must not write over)."""
+    if problem := folder_problem(out_dir):
+        parser.error(f"--out-dir {out_dir}: {problem}")
+    if starting_model is not None and same_folder(out_dir, starting_model[1]):
+        flag_name, path = starting_model
+        parser.error(f"--out-dir {out_dir} is the folder of {flag_name} {path}, the model this run starts from: its "
+                     f"results would replace it; choose another --out-dir")
+
+
+def check_in_files(parser: argparse.ArgumentParser, paths: dict[str, Path]) -> None:
+    """parser.error naming the first of ``paths`` (flag -> path) that is not a file to read."""
+    for flag_name, path in paths.items():
+        if problem := input_problem(path):
+            parser.error(f"{flag_name} {path}: {problem}")
+
+
+def check_out_files(parser: argparse.ArgumentParser, paths: dict[str, Path], inputs: dict[str, Path] | None = None
+                    ) -> None:
+    """parser.error if no file can be written at one of ``paths`` (flag -> path; missing folders are fine: they
+    are made), or if two flags name the same file: two outputs, or an output and one of the ``inputs``."""
+    seen = {path.resolve(): flag_name for flag_name, path in (inputs or {}).items()}
+    for flag_name, path in paths.items():
+        if problem := file_problem(path):
+            parser.error(f"{flag_name} {path}: {problem}")
+        if (other := seen.setdefault(path.resolve(), flag_name)) != flag_name:
+            what = f"the file {other} reads" if other in (inputs or {}) else f"the file {other} writes"
+            parser.error(f"{other} and {flag_name} are both {path}: writing {flag_name} would replace {what}; give "
+                         f"each its own path")
+
+
+@contextlib.contextmanager
+def run_folder(args: argparse.Namespace, outputs: Sequence[str]) -> Iterator[Path]:
+    """Hold --out-dir while the run lasts (``llmscratch.runfolder.claim``); ValueError if another run holds
+    it, or if it holds any of ``outputs`` (an earlier run's results) and --overwrite was not given."""
+    with contextlib.ExitStack() as stack:
+        try:
+            folder = stack.enter_context(claim(args.out_dir))
+        except FolderInUse as err:
+            raise ValueError(f"--out-dir {err}") from None
+        found = present(folder, outputs)
+        if found and not args.overwrite:
+            raise ValueError(f"--out-dir {folder} already holds the results of a run ({', '.join(found)}); pass "
+                             f"--overwrite to replace them, or choose another --out-dir")
+        yield folder
 
 
 # --------------------------------------------------------------------------- the finetuning scripts
 def add_finetune_flags(parser: argparse.ArgumentParser, defaults: FinetuneConfig) -> None:
     """The flags both finetuning scripts share, with this task's defaults (each script adds its own --data,
-    --out-dir and --test-mode)."""
+    --out-dir (``add_out_dir_flags``) and --test-mode)."""
     parser.add_argument("--base", type=Path, default=PRETRAINED_PATH,
                         help="the model to start from: a run folder of ch04-pretraining/pretrain.py (e.g. "
                              "runs/pretrain), the model.safetensors or checkpoint.pt in it, or a Hugging Face "
@@ -100,14 +177,24 @@ def add_finetune_flags(parser: argparse.ArgumentParser, defaults: FinetuneConfig
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a tokenizer JSON file to use instead of the base's own (or of GPT-2's for a "
                              "Hugging Face folder)")
-    add_flags(parser, defaults, "trainable", "last_k")
-    parser.add_argument("--lora", action="store_true", help="shorthand for --trainable lora")
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora.rank, help="rank of the LoRA matrices")
-    parser.add_argument("--lora-alpha", type=finite_float, default=defaults.lora.alpha,
-                        help="LoRA scale: the update is multiplied by alpha / rank")
+    add_lora_flags(parser, defaults, "shorthand for --trainable lora")
     add_flags(parser, defaults, "epochs", "lr", "batch_size", "dtype", "seed")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_lora_flags(parser: argparse.ArgumentParser, defaults: FinetuneConfig, lora_help: str) -> None:
+    """--trainable (or its shorthand --lora: one or the other), --last-k, --lora-rank and --lora-alpha."""
+    either = parser.add_mutually_exclusive_group()  # --lora beside --trainable X: argparse refuses, naming both
+    trainable, = add_flags(either, defaults, "trainable")
+    # argparse counts a flag of the group as given when its value `is not` the default object; "all" typed in a
+    # Python list is the very (interned) object the default is, so the default gets an equal string of its own.
+    trainable.default = trainable.default.encode().decode()
+    either.add_argument("--lora", action="store_true", help=lora_help)
+    add_flags(parser, defaults, "last_k")
+    parser.add_argument("--lora-rank", type=int, default=defaults.lora.rank, help="rank of the LoRA matrices")
+    parser.add_argument("--lora-alpha", type=finite_float, default=defaults.lora.alpha,
+                        help="LoRA scale: the update is multiplied by alpha / rank")
 
 
 def check_finetune_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -116,10 +203,8 @@ def check_finetune_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--base {args.base}: no such file or folder (expected a run folder of "
                      "ch04-pretraining/pretrain.py, its model.safetensors or checkpoint.pt, or a Hugging Face "
                      "GPT-2 folder)")
-    if args.tokenizer is not None and not args.tokenizer.is_file():
-        parser.error(f"--tokenizer {args.tokenizer}: no such file")
-    if not args.data.is_file():
-        parser.error(f"--data {args.data}: no such file")
+    check_in_files(parser, {"--data": args.data} | ({} if args.tokenizer is None else {"--tokenizer": args.tokenizer}))
+    check_out_dir(parser, args.out_dir, starting_model=("--base", args.base))
     try:
         args.device = resolve_device(args.device)
     except ValueError as err:

@@ -144,7 +144,7 @@ def prepare_token_files(
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"out_dir {out_dir} is a file, not a folder")
     for path in paths:
-        _check_text_file(path)
+        check_text_file(path)
     # Written in a folder of its own inside out_dir (the same filesystem: the renames are atomic),
     # named .prepare.<pid>.<8 hex digits>.tmp; one that a killed prepare left is deleted first.
     work_name = out_dir / "prepare"
@@ -162,24 +162,71 @@ def prepare_token_files(
     return meta
 
 
-def _check_text_file(path: Path) -> None:
-    """ValueError unless ``path`` is a UTF-8 text file (read through once, in blocks)."""
-    if not path.is_file():
-        raise ValueError(f"{path}: {'a folder' if path.is_dir() else 'no such file'}; expected a UTF-8 text file")
+def input_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a file to read (no such file, a folder, a device or pipe), or None."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    return "a folder" if path.is_dir() else "not a regular file (a device or pipe)" if path.exists() else \
+        "no such file"
+
+
+def check_text_file(path: str | os.PathLike, name: str = "") -> None:
+    """ValueError naming ``path`` (after ``name``, e.g. "--data") unless it is a regular file of UTF-8 text.
+
+    Read through once, in blocks. Text never holds a NUL byte: a file that does is binary, or
+    UTF-16 without a byte-order mark (ASCII letters with a NUL beside each pass as UTF-8, and a
+    model would learn the NULs); UTF-16 with its byte-order mark is named as such.
+    """
+    path = Path(path)
+    label = f"{name} {path}" if name else str(path)
+    if problem := input_problem(path):
+        raise ValueError(f"{label}: {problem}; expected a UTF-8 text file")
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(path, "rb") as file:
         while block := file.read(1 << 20):
+            if offset == 0 and block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                raise ValueError(f"{label} is UTF-16 text (it starts with UTF-16's byte-order mark); convert it "
+                                 f"to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
+            if (nul := block.find(b"\0")) >= 0:
+                utf16 = block[1:200:2].count(0) > 40 or block[0:200:2].count(0) > 40  # every other byte
+                looks = "UTF-16 text without a byte-order mark" if utf16 else "binary data"
+                raise ValueError(f"{label} holds a NUL byte (byte {offset + nul:,}): it looks like {looks}, not "
+                                 f"UTF-8 text{'; convert it to UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)' * utf16}")
             try:
                 decoder.decode(block)
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path} is not UTF-8 text (near byte {offset + err.start:,}: {err.reason}); "
+                raise ValueError(f"{label} is not UTF-8 text (near byte {offset + err.start:,}: {err.reason}); "
                                  f"expected a UTF-8 text file") from None
             offset += len(block)
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text (it ends inside a character); expected a UTF-8 text file") from None
+        raise ValueError(f"{label} is not UTF-8 text (it ends inside a character); expected a UTF-8 text file") \
+            from None
+
+
+def read_text_file(path: str | os.PathLike, name: str = "") -> str:
+    """The text of ``path`` once ``check_text_file`` accepts it (a UTF-8 byte-order mark is dropped).
+
+    A text of more than a quarter of the machine's memory is refused too: held as a Python
+    string and then as tokens, it would not fit; ``prepare_token_files`` streams such a corpus.
+    """
+    check_text_file(path, name)
+    size, memory = Path(path).stat().st_size, _physical_memory()
+    if memory is not None and size > memory // 4:
+        raise ValueError(f"{name + ' ' if name else ''}{path} is {size / 2**30:.1f} GiB, more than a quarter of this "
+                         f"machine's {memory / 2**30:.0f} GiB of memory; tokenize it once into token files "
+                         f"(llmscratch.data.prepare_token_files) and train on their folder")
+    return Path(path).read_text(encoding="utf-8-sig")
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that says
+        return None
 
 
 def _write_token_files(paths: list[Path], out_dir: Path, tokenizer: Tokenizer, val_fraction: float,

@@ -104,6 +104,15 @@ def any_process(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
+# What gloo and NCCL say when the process at the other end of a collective is gone.
+_LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "communicator was aborted")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """True when ``err`` is a collective failing because another process of the run has died."""
+    return dist.is_initialized() and isinstance(err, RuntimeError) and any(text in str(err) for text in _LOST_PEER)
+
+
 def all_gather_objects(obj: object) -> list[object]:
     """Every process's ``obj``, in rank order (a one-element list for one process)."""
     if not dist.is_initialized():

@@ -302,7 +302,8 @@ def score_choices(model: nn.Module, tokenizer, context: str, choices: Sequence[s
 def _choice_row(context_ids: list[int], choice_ids: list[int], context_length: int | None, choice: str) -> list[int]:
     """The ids fed to the model for one choice: context + choice, cut to fit, without the last id (only predicted)."""
     if not choice_ids or (context_length is not None and len(choice_ids) > context_length):
-        raise ValueError(f"choice {choice!r} is {len(choice_ids)} tokens; expected 1 to context_length="
+        shown = repr(choice) if len(choice) <= 60 else repr(choice[:57]) + "..."
+        raise ValueError(f"choice {shown} is {len(choice_ids)} tokens; expected 1 to context_length="
                          f"{context_length}")
     whole = context_ids + choice_ids
     if context_length is not None:
@@ -322,8 +323,7 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer, items: Sequence[dict],
     """
     if not items:
         raise ValueError("multiple_choice_accuracy needs at least one item")
-    for index, item in enumerate(items):  # all checked before the first forward pass
-        _check_item(index, item)
+    check_choice_items(items)  # all of them before the first forward pass
     hits = {"accuracy": 0, "accuracy_norm": 0}
     if unconditional_context is not None:
         hits["accuracy_context_gain"] = 0
@@ -340,12 +340,39 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer, items: Sequence[dict],
             **{f"{name}_interval": wilson_interval(k, n, z) for name, k in hits.items()}}
 
 
-def _check_item(index: int, item: dict) -> None:
-    choices = item.get("choices") if isinstance(item, dict) else None
-    if (not isinstance(choices, (list, tuple)) or not isinstance(item.get("context"), str)
-            or not isinstance(item.get("answer"), int) or not 0 <= item["answer"] < len(choices)):
-        raise ValueError(f"item {index}: expected {{'context': str, 'choices': [str, ...], 'answer': an index into "
-                         f"the choices}}, got {item!r}")
+def check_choice_items(items: Sequence[dict]) -> None:
+    """ValueError naming the first item that is not {"context": str, "choices": [str, ...], "answer": index},
+    and what is wrong with it."""
+    for index, item in enumerate(items):
+        if problem := _choice_item_problem(item):
+            raise ValueError(f"item {index}: {problem}; expected {{'context': str, 'choices': [distinct non-empty "
+                             f"str, ...], 'answer': an index into the choices}}")
+
+
+def _choice_item_problem(item) -> str | None:
+    if not isinstance(item, dict):
+        return f"{_short(item)} is not an object"
+    context, choices, answer = item.get("context"), item.get("choices"), item.get("answer")
+    if not isinstance(context, str):
+        return "no 'context'" if "context" not in item else f"'context' is a {type(context).__name__}, not a string"
+    if not isinstance(choices, (list, tuple)) or not choices:
+        return "no 'choices'" if "choices" not in item else f"'choices' is {_short(choices)}, not a list of strings"
+    if len(choices) < 2:
+        return f"'choices' is {_short(choices)}: one choice, nothing to choose between"
+    for choice in choices:
+        if not isinstance(choice, str) or not choice:
+            return f"choice {_short(choice)} is not a non-empty string"
+    if len(set(choices)) < len(choices):
+        return f"'choices' repeat one ({_short(next(c for c in choices if choices.count(c) > 1))}): a tie, not a test"
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        return (f"'answer' {_short(answer)} is not an index into its {len(choices)} choices (0 to {len(choices) - 1})"
+                if "answer" in item else "no 'answer'")
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:

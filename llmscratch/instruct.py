@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmscratch.data import read_text_file
 from llmscratch.device import autocast
 from llmscratch.evaluation import evaluating, exact_match
 from llmscratch.evaluation import normalize_answer as normalize  # noqa: F401  (re-exported: the ch05 name)
@@ -242,13 +243,28 @@ def split_records(records: Sequence[dict], source: object, test_mode: bool = Fal
 
 
 def read_json_records(path: Path) -> list:
-    """The JSON list in ``path`` (ValueError naming the file if it is not JSON or not a list)."""
+    """The records of ``path``: a JSON list, or JSON Lines (one record per line, as many datasets ship).
+
+    ValueError naming the file if it is not UTF-8 text, not JSON, or holds something else than a list.
+    """
+    text = read_text_file(path)
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not a JSON file: {err}") from None
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if len(lines) < 2 or not lines[0].lstrip().startswith("{"):
+            raise ValueError(f"{path} is not a JSON file: {err}") from None
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):  # JSON Lines
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as line_err:
+                    raise ValueError(f"{path}, line {number}: not JSON ({line_err}); expected a JSON list of "
+                                     f"records, or one JSON record per line") from None
     if not isinstance(records, list):
-        raise ValueError(f"{path} holds a JSON {type(records).__name__}, expected a list of records")
+        raise ValueError(f"{path} holds a JSON {type(records).__name__}, expected a list of records (or one record "
+                         f"per line)")
     return records
 
 
@@ -289,6 +305,18 @@ def score_answers(model: nn.Module, tokenizer, records: Sequence[dict], encoded,
     scores["response_loss"] = response_loss(model, encoded, eos_id, max_length=model.config.context_length,
                                             dtype=dtype)
     return scores, answers
+
+
+def answers_jsonl(records: Sequence[dict], answers: dict[str, Sequence[Response]]) -> str:
+    """One JSON line per record: the record, each model's answer under its name, and whether the last
+    model's answer was well-formed (``{name}_well_formed``)."""
+    last = list(answers)[-1]
+    lines = []
+    for i, record in enumerate(records):
+        row = {**record, **{name: responses[i].text for name, responses in answers.items()},
+               f"{last}_well_formed": answers[last][i].well_formed}
+        lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+    return "".join(lines)
 
 
 def comparison_table(results: dict[str, dict]) -> str:

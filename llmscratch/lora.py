@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from llmscratch.atomic import write_atomically
-from llmscratch.checkpoint import read_safetensors
+from llmscratch.checkpoint import check_weights, read_safetensors, write_safetensors
 
 # Every linear layer inside the blocks: attention (qkv, out_proj) and the MLP (GPT-2's fc, proj;
 # Llama's gate, up, down). The output head is left out: it is often tied to the embedding.
@@ -141,17 +139,31 @@ def apply_lora(model: nn.Module, config: LoRAConfig = LoRAConfig()) -> list[str]
     """
     if lora_layers(model):
         raise ValueError("the model already has LoRA adapters; merge_lora it first or load into it")
-    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    chosen = lora_targets(model, config)
+    model.requires_grad_(False)
+    for name in chosen:
+        _replace(model, name, LoRALinear(model.get_submodule(name), config.rank, config.alpha, config.dropout))
+    return chosen
+
+
+def lora_targets(model: nn.Module, config: LoRAConfig) -> list[str]:
+    """The names of the ``nn.Linear`` layers ``config.targets`` choose; ValueError if a pattern matches
+    none, or if the rank exceeds a chosen layer's smaller side (the update could not use it, and
+    the matrices would only cost memory). Changes nothing."""
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     chosen = []
     for pattern in config.targets:
         matches = fnmatch.filter(linears, pattern)
         if not matches:
-            shown = ", ".join(linears[:6]) + (" ..." if len(linears) > 6 else "")
+            shown = ", ".join(list(linears)[:6]) + (" ..." if len(linears) > 6 else "")
             raise ValueError(f"LoRA target {pattern!r} matches no linear layer; the linear layers are: {shown}")
         chosen.extend(m for m in matches if m not in chosen)
-    model.requires_grad_(False)
     for name in chosen:
-        _replace(model, name, LoRALinear(model.get_submodule(name), config.rank, config.alpha, config.dropout))
+        layer = linears[name]
+        if config.rank > min(layer.in_features, layer.out_features):
+            raise ValueError(f"LoRA rank {config.rank} is more than {name} can use: its weight is "
+                             f"{layer.out_features} x {layer.in_features}, so a rank above "
+                             f"{min(layer.in_features, layer.out_features)} adds nothing; choose a smaller rank")
     return chosen
 
 
@@ -178,15 +190,15 @@ def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
         tensors[f"{name}.lora_b"] = layer.lora_b.detach().contiguous().cpu()
     shapes = {name: {"rank": layer.rank, "alpha": layer.alpha} for name, layer in layers.items()}
     metadata = {"format": _FORMAT, "layers": json.dumps(shapes, sort_keys=True)}
-    write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))  # a crash keeps the old file
+    write_safetensors(path, tensors, metadata)  # atomic: a crash keeps the old file
 
 
 def load_adapters(model: nn.Module, path: str | os.PathLike, dropout: float = 0.0) -> list[str]:
     """Load adapters saved by ``save_adapters``, wrapping the same layers first if needed.
 
     Returns the adapted layer names. The whole file is checked against the model first (layer
-    names, rank and alpha, every tensor's presence, shape and dtype): a ValueError naming the
-    problem leaves the model exactly as it was.
+    names, rank and alpha, every tensor's presence and shape, then ``check_weights``): a ValueError
+    naming the problem leaves the model exactly as it was.
     """
     LoRAConfig(dropout=dropout)  # validates dropout before anything is read
     if not Path(path).is_file():
@@ -247,7 +259,7 @@ def _adapter_layers(metadata: dict[str, str], path) -> dict[str, tuple[int, floa
 
 def _check_adapter_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, float]],
                            shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]], path) -> None:
-    """ValueError unless the file holds exactly the A and B float matrices of the shapes the model needs."""
+    """ValueError unless the file holds exactly the A and B matrices of the shapes the model needs, of finite floats."""
     wanted = {f"{name}.{part}" for name in expected for part in ("lora_a", "lora_b")}
     missing, unexpected = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
     if missing or unexpected:
@@ -261,5 +273,4 @@ def _check_adapter_tensors(tensors: dict[str, torch.Tensor], expected: dict[str,
         for part, tensor, shape in (("lora_a", a, shapes[name][0]), ("lora_b", b, shapes[name][1])):
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"{path}: {name}.{part}: the file has shape {tuple(tensor.shape)}, the model {shape}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"{path}: {name}.{part}: the file holds {tensor.dtype} values, expected floating point")
+    check_weights(tensors, path)

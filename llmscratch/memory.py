@@ -25,7 +25,7 @@ activation-checkpointing formula are checked on paper only.
 import argparse
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -100,10 +100,18 @@ class MemoryPlan:
 
 @functools.cache
 def _parameters(config: GPTConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of every parameter, a tied one once: the real module, built on the meta device (no memory)."""
+    """(name, shape) of every parameter, a tied one once: the real module, built on the meta device (no memory).
+
+    One block is built and its shapes repeated for the others (every block is alike): a model of
+    many blocks is planned in the time of one.
+    """
     with torch.device("meta"):
-        model = GPT(config)
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+        model = GPT(replace(config, n_layers=1))
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    block = [(name.removeprefix("blocks.0."), shape) for name, shape in shapes if name.startswith("blocks.0.")]
+    first = next(i for i, (name, _) in enumerate(shapes) if name.startswith("blocks.0."))
+    blocks = [(f"blocks.{i}.{name}", shape) for i in range(config.n_layers) for name, shape in block]
+    return tuple(shapes[:first] + blocks + shapes[first + len(block):])
 
 
 def _tp_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
@@ -256,6 +264,7 @@ def default_tp(config: GPTConfig, gpus: int) -> int:
                                                or config.hidden_dim % t))
 
 
+MAX_LAYERS = 10_000  # each block is a row of the plan: more would take minutes and gigabytes to list
 OVERRIDES = {"vocab_size": "vocabulary size", "d_model": "width of the residual stream",
              "n_layers": "number of blocks", "n_heads": "query heads", "n_kv_heads": "key/value heads",
              "d_ff": "MLP hidden size"}
@@ -291,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.n_layers is not None and args.n_layers > MAX_LAYERS:
+        parser.error(f"--n-layers {args.n_layers:,}: at most {MAX_LAYERS:,} (the largest models have a few hundred)")
     if not 0 < args.gpu_memory < math.inf:
         parser.error(f"--gpu-memory must be a positive number of GiB, got {args.gpu_memory}")
     overrides = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
@@ -301,6 +312,10 @@ def main(argv: list[str] | None = None) -> None:
         config = GPTConfig.from_preset(args.preset, **overrides)
     except ValueError as err:
         parser.error(f"the model does not fit together: {err}")
+    rows = max(config.vocab_size, config.hidden_dim, (config.n_heads + 2 * config.kv_heads) * config.head_dim)
+    if rows * config.d_model * 4 >= 2**63:  # float32 bytes of the largest weight: PyTorch counts them in int64
+        parser.error(f"the model's largest weight would be {rows:,} x {config.d_model:,}, more bytes than PyTorch "
+                     f"can address (2^63); check --d-model, --d-ff, --vocab-size and the head counts")
     tp = default_tp(config, args.gpus) if args.tp is None else args.tp
     strategies = STRATEGIES if args.parallel == "all" else (args.parallel,)
     if any(s in ("tp", "fsdp+tp") for s in strategies):

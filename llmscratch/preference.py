@@ -58,6 +58,17 @@ def validate_pairs(records) -> list[dict]:
     return records
 
 
+def count_ties(records: Sequence[dict], source: str) -> int:
+    """How many (validated) records carry no preference, their chosen equal to their rejected; ValueError naming
+    ``source`` if all of them are such ties (training on them would change nothing)."""
+    ties = sum(record["chosen"] == record["rejected"] for record in records)
+    if records and ties == len(records):
+        raise ValueError(f"{source}: in every one of its {len(records):,} pairs the chosen response equals the "
+                         f"rejected one, so there is no preference to learn (DPO's gradient is zero); expected "
+                         f"pairs of different responses")
+    return ties
+
+
 def _response_problem(record: dict, name: str) -> str | None:
     """What is wrong with a record's response field, or None."""
     if name not in record:

@@ -9,9 +9,9 @@ benchmark that does not apply to a model (spam for a language model, text for a 
 None, shown as "-". Accuracies carry a 95% Wilson interval.
 """
 
-import json
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from llmscratch.assets import read_moby_dick
+from llmscratch.atomic import write_json_atomically, write_text_atomically
 from llmscratch.classify import Classifier, evaluate_classifier, make_batches
 from llmscratch.data import split_text
 from llmscratch.evaluation import (
@@ -92,20 +93,32 @@ def language_model_scores(model: nn.Module, tokenizer, benchmarks: Benchmarks, d
     """Every benchmark of a language model (the spam scores are None: it has no classification head)."""
     scores: dict[str, dict | None] = {"spam_accuracy": None, "spam_f1": None}
     if benchmarks.held_out:
-        tokens = np.array(tokenizer.encode(benchmarks.held_out, allowed_special="all"), dtype=np.int64)
-        context = model.config.context_length
-        max_tokens = None if benchmarks.max_windows is None else benchmarks.max_windows * context + 1
-        result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size, device,
-                          max_tokens=max_tokens)
-        usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-        scores["bits_per_byte"] = plain(result["bits_per_byte"], (usable - 1) // context * context)  # n: tokens predicted
+        with benchmark("held-out Moby-Dick (bits per byte)"):
+            tokens = np.array(tokenizer.encode(benchmarks.held_out, allowed_special="all"), dtype=np.int64)
+            context = model.config.context_length
+            max_tokens = None if benchmarks.max_windows is None else benchmarks.max_windows * context + 1
+            result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size,
+                              device, max_tokens=max_tokens)
+            usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+            scores["bits_per_byte"] = plain(result["bits_per_byte"], (usable - 1) // context * context)  # n: predicted
     if benchmarks.instructions:
-        scores.update(instruction_scores(model, tokenizer, benchmarks.instructions, progress))
+        with benchmark("instruction answers"):
+            scores.update(instruction_scores(model, tokenizer, benchmarks.instructions, progress))
     for name in ("choices", "cloze"):
         items = getattr(benchmarks, name)
         if items:
-            scores.update(choice_scores(model, tokenizer, items, name, progress))
+            with benchmark(f"{name} (multiple choice)"):
+                scores.update(choice_scores(model, tokenizer, items, name, progress))
     return scores
+
+
+@contextlib.contextmanager
+def benchmark(name: str) -> Iterator[None]:
+    """A ValueError inside (a prompt too long for the model, say) names the benchmark it came from."""
+    try:
+        yield
+    except ValueError as err:
+        raise ValueError(f"the {name} benchmark: {err}") from None
 
 
 def choice_scores(model: nn.Module, tokenizer, items: Sequence[dict], name: str, progress: bool = False,
@@ -230,10 +243,9 @@ def write_report(results: dict[str, dict], out_dir: str | os.PathLike, summary: 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results)
     sources = "\n".join(f"- **{name}**: {result['source']} ({result['kind']})" for name, result in results.items())
-    (out_dir / "report.md").write_text(f"# Report card\n\n{table}\n\nModels:\n{sources}\n\n"
-                                       "Shares in percent with their 95% Wilson interval; \"-\": the benchmark does "
-                                       "not apply to the model.\n\n![report](report.png)\n", encoding="utf-8")
+    write_text_atomically(out_dir / "report.md", f"# Report card\n\n{table}\n\nModels:\n{sources}\n\n"
+                          "Shares in percent with their 95% Wilson interval; \"-\": the benchmark does not apply to "
+                          "the model.\n\n![report](report.png)\n")
     plot_report(results, out_dir / "report.png")
-    (out_dir / "report.json").write_text(json.dumps({"models": results, **(summary or {})}, indent=2) + "\n",
-                                         encoding="utf-8")
+    write_json_atomically(out_dir / "report.json", {"models": results, **(summary or {})})
     return table

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from llmscratch import distributed
+from llmscratch.checkpoint import check_zip_checksums
 
 __all__ = ["META_FILE", "load_sharded", "load_sharded_renamed", "read_meta", "save_sharded", "sharded_checkpoint_path"]
 
@@ -90,6 +91,7 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     if found is None:
         raise ValueError(f"no sharded checkpoint at {directory} (expected a folder with {META_FILE} and DCP's "
                          f"files, written by a run with --parallel fsdp)")
+    check_zip_checksums(found / META_FILE)  # DCP's own weight files carry no checksum to check
     try:
         meta = torch.load(found / META_FILE, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated or foreign files raise several types

@@ -149,6 +149,10 @@ class Trainer:
         config = self.config
         if resume:
             self.load()  # also restores the random state the interrupted run had
+            if self.step >= config.max_steps:  # finished: its summary and sample stay as they are
+                raise ValueError(f"cannot resume: the checkpoint is at step {self.step}, and max_steps is "
+                                 f"{config.max_steps}: there is nothing left to train; a larger max_steps "
+                                 f"(pretrain.py: --max-steps) continues the run")
         else:
             torch.manual_seed(config.seed + self.dp_rank)  # dropout masks differ between batches, not within a tp group
             self.log.start()
@@ -282,6 +286,7 @@ class Trainer:
         if "error" in state:
             raise ValueError(state["error"])
         check_model_config(state["model_config"], self.model.config)
+        self._check_resumable(state)
         if len(state["batches"]) != self.dist.world_size:
             raise ValueError(f"the checkpoint was written by {len(state['batches'])} process(es), this run "
                              f"has {self.dist.world_size}; exact resume needs the same number")
@@ -304,6 +309,7 @@ class Trainer:
         if "error" in meta:
             raise ValueError(meta["error"])
         check_model_config(meta["model_config"], self.model.config)
+        self._check_resumable(meta)
         if meta.get("split_qkv", False) == self.split_qkv:
             load_sharded(self.checkpoint_path, self.model, self.optimizer_step.optimizer)  # weights: exact
         else:
@@ -317,6 +323,18 @@ class Trainer:
             self._reseed(len(meta["batches"]), tuple(meta.get("mesh", (len(meta["batches"]), 1))))
         self.saved_step = self.step
         self.log.truncate(self.step)
+
+    def _check_resumable(self, state: dict) -> None:
+        """ValueError if the checkpoint's optimizer or training tokens are not this run's (before loading any)."""
+        saved = state["train_config"].get("optimizer", "adamw")  # checkpoints from before Muon: AdamW
+        if saved != self.config.optimizer:
+            raise ValueError(f"cannot resume: the checkpoint holds the state of optimizer {saved!r}, this run uses "
+                             f"{self.config.optimizer!r} (pretrain.py: --optimizer); resume with the run's own")
+        tokens = {batches["num_tokens"] for batches in state["batches"]}
+        if tokens != {len(self.batches.tokens)}:
+            raise ValueError(f"cannot resume: the checkpoint's run trained on {min(tokens):,} tokens, this run's "
+                             f"training split has {len(self.batches.tokens):,}: its data or tokenizer differ "
+                             f"(pretrain.py: --data, --tokenizer, --val-fraction); resume with the run's own")
 
     def _load_other_qkv_layout(self) -> None:
         """Load a checkpoint whose attention stores q, k, v the other way (split under tensor parallelism,
@@ -369,9 +387,7 @@ class Trainer:
 
     def finish(self) -> dict:
         """The summary (final validation metrics, speed, the last sample), also written to the run folder."""
-        last_eval = next((r for r in reversed(self.history) if "val_loss" in r), None)
-        if last_eval is None:  # resumed a finished run: nothing was evaluated in this process
-            last_eval = {f"val_{k}": v for k, v in self.evaluate(self.config.final_eval_tokens).items()}
+        last_eval = next(r for r in reversed(self.history) if "val_loss" in r)  # the last step always has one
         sample = next((r["sample"] for r in reversed(self.history) if "sample" in r), None)
         steps_here = len(self.history)
         summary = {

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from llmscratch.atomic import write_atomically, write_text_atomically
-from llmscratch.checkpoint import EXPORT_FORMAT, model_from_checkpoint, read_safetensors, tokenizer_from_checkpoint
+from llmscratch.atomic import write_text_atomically
+from llmscratch.checkpoint import (EXPORT_FORMAT, check_weights, model_from_checkpoint, read_safetensors,
+                                  tokenizer_from_checkpoint, write_safetensors)
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
 
@@ -216,14 +216,19 @@ def _taker(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
 
 # --------------------------------------------------------------------------- files
 def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
-    """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU."""
+    """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU.
+
+    Each shard's weights pass ``check_weights`` as the file stores them, before any cast to ``dtype``.
+    """
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
     config = config_from_hf(_read_json(folder / "config.json"))
     tensors = {}
     for shard in _shard_files(folder):
-        tensors.update(read_safetensors(shard)[1])
+        weights = read_safetensors(shard)[1]
+        check_weights({name: t for name, t in weights.items() if not name.endswith(_IGNORED_SUFFIXES)}, shard)
+        tensors.update(weights)
     state = hf_to_ours(tensors, config)
     model = GPT(config)
     expected = model.state_dict()
@@ -282,7 +287,9 @@ def load_model_and_tokenizer(path: str | os.PathLike, tokenizer_path: str | os.P
 def _model_source(path: Path) -> Path:
     """The Hugging Face folder, or our checkpoint.pt or model.safetensors, that ``path`` stands for."""
     if path.is_dir() and not (path / "config.json").is_file():  # a training run's folder
-        found = [path / name for name in ("model.safetensors", "checkpoint.pt") if (path / name).is_file()]
+        # The last is a spam classifier's (ch05): found only for model_from_checkpoint to say what it is.
+        names = ("model.safetensors", "checkpoint.pt", "classifier.pt")
+        found = [path / name for name in names if (path / name).is_file()]
         if not found:
             raise ValueError(f"{path} holds no model.safetensors or checkpoint.pt (a training run) and no "
                              f"config.json (a Hugging Face checkpoint)")
@@ -318,7 +325,7 @@ def save_hf(model: GPT, path: str | os.PathLike) -> None:
     hf_config = config_to_hf(model.config)
     hf_config["torch_dtype"] = str(model.token_embedding.weight.dtype).removeprefix("torch.")
     tensors = ours_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
-    write_atomically(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})  # transformers ignores the checksum
     text = json.dumps(hf_config, indent=2) + "\n"
     write_text_atomically(folder / "config.json", text)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from llmscratch.checkpoint import export_model, save_checkpoint  # noqa: E402
+from llmscratch.checkpoint import export_model, save_checkpoint, write_safetensors  # noqa: E402
 from llmscratch.lora import LoRAConfig, apply_lora, load_adapters, lora_layers, save_adapters  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
@@ -122,8 +122,8 @@ def script(name: str, *argv, make=None, base: str = "run"):
         made = make(sources, tmp) if make else None
         out = tmp / "out"
         full = [str(made) if a == "{input}" else str(sources[base]) if a == "{base}" else a for a in argv]
-        if name != "generate":
-            full += ["--out-dir", str(out), "--test-mode", "--no-progress"]
+        if name != "generate":  # --overwrite: the earlier run's files in out/ must survive a failure all the same
+            full += ["--out-dir", str(out), "--test-mode", "--no-progress", "--overwrite"]
         else:
             full += ["--max-new-tokens", "2"]
         return (lambda: main_of(name)(full)), None
@@ -144,7 +144,7 @@ def adapter_file(edit=None, metadata=None):
                 saved = f.metadata()
             if edit:
                 edit(tensors)
-            save_file(tensors, path, metadata=saved if metadata is None else {**saved, **metadata})
+            write_safetensors(path, tensors, saved if metadata is None else {**saved, **metadata})
         return path
     return make
 

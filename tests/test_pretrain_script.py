@@ -154,7 +154,7 @@ def test_bad_paths_and_data_stop_before_training(tmp_path, text_file, capsys):
         assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
     run = ["--out-dir", str(tmp_path / "run"), *TINY]
-    fails(["--resume", *run], "holds no run to resume")
+    fails(["--resume", *run], "holds no checkpoint to resume from")
     (tmp_path / "file").write_text("x")
     fails(["--data", str(text_file), "--out-dir", str(tmp_path / "file")], "is a file, not a folder")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1") * 100)

@@ -134,7 +134,7 @@ def test_a_missing_default_model_names_the_command_that_makes_it(tmp_path, capsy
 def test_bad_flags_exit_2(tmp_path, capsys):
     for argv, words in ((["--limit", "0"], "--limit"), (["--cloze", str(tmp_path / "none.json")], "--cloze"),
                         (["--model", "base", "--model", f"base={PRETRAINED_PATH}"], "share a name"),
-                        (["--device", "toaster"], "--device toaster")):
+                        (["--device", "toaster"], "--device: device 'toaster' is not a device name")):
         with pytest.raises(SystemExit) as exit_info:
             evaluate_script.parse_args(argv)
         assert exit_info.value.code == 2 and words in capsys.readouterr().err

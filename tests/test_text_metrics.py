@@ -276,7 +276,8 @@ def test_context_gain_ranks_choices_by_what_the_context_adds(tokenizer):
     (["mat", ""], None, "non-empty strings"),
     (None, [], "at least one item"),
     (None, [{"context": "x", "choices": ["a", "b"], "answer": 2}], "item 0"),
-    (None, [{"context": "x", "choices": ["a"], "answer": 0}, {"choices": ["a"], "answer": 0}], "item 1"),
+    (None, [{"context": "x", "choices": ["a", "b"], "answer": 0}, {"choices": ["a", "b"], "answer": 0}], "item 1"),
+    (None, [{"context": "x", "choices": ["a"], "answer": 0}], "item 0: 'choices' is \\['a'\\]: one choice"),
 ])
 def test_bad_choices_and_items_are_value_errors(tokenizer, choices, items, message):
     model = tiny_model(tokenizer, llama=False)

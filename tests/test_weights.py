@@ -201,7 +201,7 @@ def test_save_hf_replaces_files_whole_or_not_at_all(tmp_path, monkeypatch):
         open(filename, "wb").write(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr("llmscratch.weights.save_file", failing_save_file)
+    monkeypatch.setattr("llmscratch.checkpoint.save_file", failing_save_file)
     with pytest.raises(OSError, match="disk full"):
         save_hf(GPT(GPTConfig.from_preset("llama-tiny", vocab_size=300, context_length=32)), tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before  # the previous checkpoint, intact

@@ -6,6 +6,8 @@ Sources, licenses and checksums of each file are in ``NOTICE`` beside this modul
 import json
 from pathlib import Path
 
+from llmscratch.atomic import write_text_atomically
+
 ASSETS_DIR = Path(__file__).resolve().parent
 GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"  # GPT-2 byte-level BPE ranks (MIT)
 MOBY_DICK_PATH = ASSETS_DIR / "moby_dick.txt"  # Herman Melville, Moby-Dick (public domain)
@@ -89,4 +91,4 @@ def write_or_check_records(files: dict[Path, list[dict]], check: bool) -> None:
             raise ValueError("\n".join(problems) + "\nrun the script without --check to rebuild")
         return
     for path, records in files.items():
-        path.write_text(dumps_records(records), encoding="utf-8")
+        write_text_atomically(path, dumps_records(records))

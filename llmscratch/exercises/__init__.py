@@ -1,9 +1,11 @@
-"""The chapters' exercises, checked by the package: ``from llmscratch.exercises import ch02; ch02.check(answer)``.
+"""The chapters' exercises, checked by the package: ``from llmscratch.exercises import ch02; ch02.CHAPTER.check(f)``.
 
 Each chapter module (``ch01`` ... ``ch06``) holds a ``Chapter`` whose checkers run the reader's
 function or module against the package's own implementation or an independent reference, on
 seeded and edge-case inputs, and print one verdict. From a shell,
-``python -m llmscratch.exercises ch02 my_answers.py`` checks every answer a file defines.
+``python -m llmscratch.exercises ch02 my_answers.py`` (or ``ch02-attention/exercises.ipynb``) checks
+every answer a file or notebook defines, in a worker process that no answer can hang or end
+(``running``). An answer cannot reach the references it is compared with (``isolation``).
 """
 
 import importlib

@@ -5,23 +5,34 @@ A chapter's checkers (``llmscratch.exercises.ch01`` ... ``ch06``) register each 
 ``expect_equal`` / ``expect_close``, smallest case first, so the first ``Mismatch`` raised is the
 smallest failing input. ``Chapter.check`` turns the outcome into a ``Verdict`` and prints it; it
 never raises, so a notebook keeps running whatever the answer does.
+
+The answer cannot move the goalposts: a check runs against the package as the exercises loaded it
+(an answer that replaced ``llmscratch.attention.causal_mask`` or ``GPT.forward`` gets the originals
+put back after each call, and its own after the check), under torch's default switches, within a
+time limit. ``load_answers`` reads a reader's answers file, a ``.py`` file or an exercises notebook.
 """
 
-import importlib.util
+import ast
+import json
 import math
 import sys
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "attempt", "describe", "diagnose",
+from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, TimeLimitExceeded, TorchSwitches, package_as_loaded,
+                                            time_limited, too_slow)
+
+__all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_path", "attempt", "describe", "diagnose",
            "diagnose_nonfinite", "expect_close", "expect_equal", "load_answers"]
 
 DIFFICULTIES = ("warm-up", "medium", "hard")
 KINDS = ("write it yourself", "extend the package")
+EXIT_HINT = "return your result: sys.exit ends the whole program, which here reads as a failure"
 
 
 class Mismatch(Exception):
@@ -37,7 +48,7 @@ class Mismatch(Exception):
 
 
 class NotDone(Exception):
-    """The answer is still the stub (it raised NotImplementedError)."""
+    """The answer is still the stub (it raised a bare NotImplementedError, not one of torch's with a message)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ class Chapter:
     def __init__(self, name: str, title: str):
         self.name, self.title = name, title
         self.exercises: dict[str, Exercise] = {}
+        PACKAGE.add_loaded()  # the chapter's references are loaded by now: remember them as they are
 
     def exercise(self, name: str, *, title: str, difficulty: str, section: str, kind: str):
         """Decorator: register ``checker(answer) -> cases passed`` as the check of exercise ``name``."""
@@ -82,19 +94,20 @@ class Chapter:
 
         return register
 
-    def check(self, answer: Any, name: str | None = None, *, quiet: bool = False) -> Verdict:
-        """Check the reader's ``answer`` (found by its ``__name__`` unless ``name`` is given); print the verdict."""
+    def check(self, answer: Any, name: str | None = None, *, quiet: bool = False,
+              time_limit: float | None = TIME_LIMIT) -> Verdict:
+        """Check the reader's ``answer`` (found by its ``__name__`` unless ``name`` is given); print the verdict.
+
+        A check still running after ``time_limit`` seconds fails, where a timer can stop it (see
+        ``isolation.time_limited``: a notebook's kernel on Linux or macOS, not Windows).
+        """
         name = name or getattr(answer, "__name__", None)
         if name not in self.exercises:
             raise KeyError(f"{self.name} has no exercise named {name!r}; its exercises are {list(self.exercises)}")
-        verdict = _judge(self.exercises[name], answer)
+        verdict = _judge(self.exercises[name], answer, time_limit)
         if not quiet:
             print(verdict)
         return verdict
-
-    def check_module(self, module: Any) -> list[Verdict]:
-        """One verdict per exercise, in order: each answer is the module's attribute of the exercise's name."""
-        return [_judge(ex, getattr(module, ex.name, None)) for ex in self.exercises.values()]
 
     def table(self, verdicts: Iterable[Verdict]) -> str:
         """The verdicts as a text table, the details of the failures below it."""
@@ -103,47 +116,63 @@ class Chapter:
         lines = [f"{self.name}: {self.title}", f"{'exercise':<{width}}  {'difficulty':<10}  verdict",
                  f"{'-' * width}  {'-' * 10}  {'-' * 12}"]
         lines += [f"{v.exercise.name:<{width}}  {v.exercise.difficulty:<10}  {v.status}" for v in verdicts]
-        failures = [str(v) for v in verdicts if v.status == "failed"]
+        failures = [str(v) for v in verdicts if v.status == "failed" and v.detail]
         return "\n".join(lines + ([""] + failures if failures else []))
 
 
-def _judge(exercise: Exercise, answer: Any) -> Verdict:
+def _judge(exercise: Exercise, answer: Any, time_limit: float | None) -> Verdict:
     if answer is None:
         return Verdict(exercise, "not done yet", "  (no answer of this name found)")
     try:
-        with torch.random.fork_rng(devices=[]):  # the reader's notebook keeps its random stream
+        # fork_rng: the reader's notebook keeps its random stream; the limit is inside it, so that
+        # the stream is put back even when the time runs out
+        with package_as_loaded(), torch.random.fork_rng(devices=[]), time_limited(time_limit):
             passed = exercise.checker(answer)
+    except TimeLimitExceeded:
+        return Verdict(exercise, "failed", f"  {too_slow(time_limit)}")
     except NotDone:
         return Verdict(exercise, "not done yet", "  (the stub still raises NotImplementedError)")
     except Mismatch as mismatch:
         return Verdict(exercise, "failed", mismatch.report())
+    except SystemExit as exit:  # from the answer's code outside attempt (its module's methods, say)
+        return Verdict(exercise, "failed", f"  your code called sys.exit({exit.code!r}); {EXIT_HINT}")
     except Exception as err:  # a bug in a checker must not stop the reader's notebook either
         return Verdict(exercise, "failed", f"  the check itself could not run: {type(err).__name__}: {err}")
     return Verdict(exercise, "passed", f"({passed} cases)")
 
 
 def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | None = None, **kwargs: Any) -> Any:
-    """``answer(*args, **kwargs)``; an exception it raises becomes a Mismatch naming the case.
+    """``answer(*args, **kwargs)`` inside a check; an exception it raises becomes a Mismatch naming the case.
 
     errors maps a text to a hint: an exception whose message holds the text gets that hint (the
-    usual mistake behind, say, "size of tensor"), any other the general one.
+    usual mistake behind, say, "size of tensor"), any other the general one. Whatever the answer
+    changed in the package or in torch's switches is put back before the checker goes on.
     """
+    switches = TorchSwitches.now()
     try:
-        return answer(*args, **kwargs)
-    except NotImplementedError:
-        raise NotDone from None
+        result = answer(*args, **kwargs)
+    except SystemExit as exit:
+        raise Mismatch(case, "a result", f"your code called sys.exit({exit.code!r})", EXIT_HINT) from None
     except Exception as err:
+        if isinstance(err, NotImplementedError) and not str(err):  # the stub's bare raise, not torch's
+            raise NotDone from None
         got = f"{type(err).__name__}: {err}"
         hint = next((hint for text, hint in (errors or {}).items() if text in got),
                     "your code raised an exception on this input (read the message above)")
         raise Mismatch(case, "a result", got, hint) from None
+    finally:
+        PACKAGE.restore()
+        switches.restore()
+    if problem := _unreadable(result):  # caught here, before a checker's own code trips over it
+        raise Mismatch(case, "a tensor of values", describe(result), problem)
+    return result
 
 
 def expect_equal(got: Any, expected: Any, *, case: str, hint: str) -> None:
     """Mismatch unless ``got == expected`` (tensors: same shape and every element equal)."""
     if isinstance(expected, torch.Tensor):
         _expect_tensor(got, expected, case, hint, atol=0.0, rtol=0.0)
-    elif got != expected:
+    elif not _equal(got, expected):
         raise Mismatch(case, expected, got, hint)
 
 
@@ -155,21 +184,45 @@ def expect_close(got: Any, expected: Any, *, case: str, hint: str, atol: float =
         raise Mismatch(case, expected, got, hint)
 
 
+def _equal(got: Any, expected: Any) -> bool:
+    try:
+        return bool(got == expected)
+    except Exception:  # a tensor against a list, say: no single truth value, so not equal
+        return False
+
+
 def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol: float, rtol: float) -> None:
     if not isinstance(got, torch.Tensor):
         raise Mismatch(case, describe(expected), f"a {type(got).__name__}, not a tensor", hint)
+    if problem := _unreadable(got):
+        raise Mismatch(case, describe(expected), describe(got), problem)
     if got.shape != expected.shape:
         raise Mismatch(case, f"shape {tuple(expected.shape)}", f"shape {tuple(got.shape)}",
                        f"the shape is wrong; {hint}")
-    if got.is_floating_point() != expected.is_floating_point() or (got.dtype == torch.bool) != (expected.dtype == torch.bool):
+    if (got.is_floating_point(), got.is_complex(), got.dtype == torch.bool) != (
+            expected.is_floating_point(), expected.is_complex(), expected.dtype == torch.bool):
         raise Mismatch(case, f"dtype {expected.dtype}", f"dtype {got.dtype}", hint)
-    got_d, expected_d = got.detach().double().cpu(), expected.detach().double().cpu()
+    got_d, expected_d = got.detach().cpu().double(), expected.detach().cpu().double()
     bad = ~torch.isclose(got_d, expected_d, atol=atol, rtol=rtol, equal_nan=True)
     if bad.any():
         where = tuple(int(i) for i in bad.nonzero()[0])
         raise Mismatch(case, describe(expected) + f", at {where}: {expected_d[where].item():.6g}",
                        describe(got) + f", at {where}: {got_d[where].item():.6g} "
                                        f"({int(bad.sum())} of {bad.numel()} elements differ)", hint)
+
+
+def _unreadable(value: Any) -> str | None:
+    """Why a tensor result (or one in the tuple, list or dict it is) holds no values to compare; None if it does."""
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else [value]
+    for part in parts:
+        if not isinstance(part, torch.Tensor):
+            continue
+        if part.is_meta:
+            return ("your result is on the meta device: it has no values (make it from the inputs, "
+                    "e.g. on x.device)")
+        if part.is_nested or part.is_quantized or part.layout != torch.strided:
+            return "your result is not an ordinary tensor (sparse, nested or quantized): return a dense one"
+    return None
 
 
 def diagnose(got: Any, mistakes: dict[str, Callable[[], Any]], default: str, atol: float = 1e-5) -> str:
@@ -194,7 +247,7 @@ def diagnose_nonfinite(got: Any, mistakes: dict[str, Callable[[], Any]], default
 
     A non-finite result matches no mistake by comparison, yet it has a usual cause of its own.
     """
-    if isinstance(got, torch.Tensor) and got.is_floating_point() and (
+    if isinstance(got, torch.Tensor) and not _unreadable(got) and got.is_floating_point() and (
             got.isnan().any() if nan_only else not got.isfinite().all()):
         return hint
     return diagnose(got, mistakes, default)
@@ -202,6 +255,8 @@ def diagnose_nonfinite(got: Any, mistakes: dict[str, Callable[[], Any]], default
 
 def describe(value: Any, limit: int = 8) -> str:
     """A short, readable account of a value: small tensors in full, large ones by shape and first values."""
+    if isinstance(value, torch.Tensor) and _unreadable(value):
+        return f"a tensor of layout {value.layout} on the {value.device} device, with no values to show"
     if isinstance(value, torch.Tensor):
         flat = value.detach().flatten()
         head = ", ".join(f"{x:.4g}" if value.is_floating_point() else str(x) for x in flat[:limit].tolist())
@@ -211,17 +266,72 @@ def describe(value: Any, limit: int = 8) -> str:
 
 
 def _text(value: Any, limit: int = 200) -> str:
-    text = value if isinstance(value, str) else repr(value)
+    try:
+        text = value if isinstance(value, str) else repr(value)
+    except Exception as err:  # the answer's own class, its __repr__ broken: say what it is instead
+        text = f"an object of type {type(value).__name__} (its repr raised {type(err).__name__})"
     return text if len(text) <= limit else text[: limit - 5] + " ...'"
 
 
-def load_answers(path: str | Path) -> Any:
-    """Import a reader's answers file as a module (its top level runs, as ``python path`` would run it)."""
+# --------------------------------------------------------------------------- the reader's answers file
+def answers_path(path: str | Path) -> Path:
+    """``path`` if it names an answers file (.py or .ipynb); else an OSError or ValueError saying what to give."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give the .py file or exercises notebook (.ipynb) "
+                                "with your answers")
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (expected a Python file defining your answers)")
-    spec = importlib.util.spec_from_file_location(f"answers_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+        raise FileNotFoundError(f"{path}: no such file (expected a Python file or notebook with your answers)")
+    if path.suffix not in (".py", ".ipynb"):
+        raise ValueError(f"{path} is neither a Python file (.py) nor a notebook (.ipynb); "
+                         "give the file with your answers")
+    return path
+
+
+def load_answers(path: str | Path) -> types.ModuleType:
+    """Run a reader's answers file as a module and return it: a Python file, or a notebook's code cells in order.
+
+    As ``python path`` would, with the file's folder first on sys.path (so it can import its
+    neighbours), but under a name of its own, so that an ``if __name__ == "__main__":`` block stays out.
+    """
+    path = answers_path(path)
+    module = types.ModuleType(f"answers_{path.stem}")
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module  # as an import would: dataclasses and pickle look the module up
+    if str(path.parent.resolve()) not in sys.path:
+        sys.path.insert(0, str(path.parent.resolve()))
+    codes = _notebook_code(path) if path.suffix == ".ipynb" else [compile(path.read_bytes(), str(path), "exec")]
+    for code in codes:
+        exec(code, vars(module))
     return module
+
+
+def _notebook_code(path: Path) -> Iterator[types.CodeType]:
+    """The notebook's code cells, compiled one by one (an error names its cell), as plain Python.
+
+    IPython's ``%magic`` and ``!shell`` lines become ``pass``, cells run by a ``%%cell magic`` are
+    left out, and so are the notebook's own ``check(...)`` calls: the caller checks every answer itself.
+    """
+    try:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a readable notebook ({type(err).__name__}: {err})") from None
+    for number, cell in enumerate(cells, 1):
+        source = "".join(cell.get("source", ""))
+        if cell.get("cell_type") != "code" or source.lstrip().startswith("%%"):
+            continue
+        tree = ast.parse("\n".join(map(_python_line, source.splitlines())), f"{path}, cell {number}")
+        tree.body = [statement for statement in tree.body if not _calls_check(statement)]
+        yield compile(tree, f"{path}, cell {number}", "exec")
+
+
+def _python_line(line: str) -> str:
+    stripped = line.lstrip()
+    return line[: len(line) - len(stripped)] + "pass" if stripped.startswith(("%", "!")) else line
+
+
+def _calls_check(statement: ast.stmt) -> bool:
+    """Whether a statement is just ``check(...)`` or ``<chapter>.CHAPTER.check(...)``."""
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    return isinstance(call, ast.Call) and (getattr(call.func, "id", None) == "check"
+                                           or getattr(call.func, "attr", None) == "check")
