@@ -20,18 +20,16 @@ a singular is always shorter than its plural): compare models, not a model and 2
 
 The model's answers come from a trained model, and CPUs round float products differently,
 so they are generated once (--answers-from) and committed; from them, the rules and --seed,
-both sets are rebuilt the same everywhere, and --check needs no model.
+both sets are rebuilt the same everywhere, and --check needs no model. The rules live in
+llmscratch.tasks, beside the families they belong to.
 """
 
 import argparse
 import hashlib
 import json
-import random
-import re
 import shlex
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 from llmscratch.assets import (
@@ -44,218 +42,11 @@ from llmscratch.assets import (
 )
 from llmscratch.atomic import write_text_atomically
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.evaluation import exact_match, normalize_answer
-from llmscratch.instruct import SPLITS, format_prompt, validate_records
-from llmscratch.preference import validate_pairs
+from llmscratch.evaluation import exact_match
+from llmscratch.instruct import SPLITS, validate_records
+from llmscratch.tasks import build_preference_data
 
-N_WRONG_CHOICES = 3  # a multiple-choice item has the right answer and three wrong ones
 MAX_NEW_TOKENS = 24  # as ch05-finetuning/finetune_instructions.py scores the model
-ANSWER_FIELDS = {"instruction": str, "input": str, "answer": str, "well_formed": bool}  # one answer's, and their types
-
-LETTERS = re.compile(r"[a-z]( [a-z])*")
-NUMBER = re.compile(r"\d+")
-WORDS = re.compile(r"[a-z]+( [a-z]+)*")
-NUMBERS = re.compile(r"\d+( \d+)*")
-
-
-# --------------------------------------------------------------------------- small edits of a list
-def swap_adjacent(items: list[str], rng: random.Random) -> list[str]:
-    """items with one adjacent pair of different items swapped (unchanged if all are equal)."""
-    places = [i for i in range(len(items) - 1) if items[i] != items[i + 1]]
-    if not places:
-        return items
-    i = rng.choice(places)
-    return [*items[:i], items[i + 1], items[i], *items[i + 2 :]]
-
-
-def drop_one(items: list[str], rng: random.Random) -> list[str]:
-    """items without one of them."""
-    i = rng.randrange(len(items))
-    return items[:i] + items[i + 1 :]
-
-
-def repeat_one(items: list[str], rng: random.Random, extra: int = 1) -> list[str]:
-    """items with one of them written ``extra`` more times."""
-    i = rng.randrange(len(items))
-    return items[: i + 1] + [items[i]] * extra + items[i + 1 :]
-
-
-def shift_letters(letters: list[str], by: int) -> list[str]:
-    """Each letter moved ``by`` places in the alphabet, z wrapping round to a."""
-    return [chr((ord(c) - ord("a") + by) % 26 + ord("a")) for c in letters]
-
-
-# --------------------------------------------------------------------------- the mistakes of each family
-OFF_BY = {-1: "one_less", 1: "one_more", 2: "two_more", -2: "two_less"}
-
-
-# Each maps (input items, correct output items, rng) to {rule name: wrong answer items}.
-# Rules that happen to give the right answer (a palindrome left unreversed) are dropped later.
-def reverse_letters(given, right, rng):
-    return {"unreversed": given, "swapped_pair": swap_adjacent(right, rng), "rotated": right[1:] + right[:1],
-            "dropped_letter": drop_one(right, rng), "doubled_letter": repeat_one(right, rng)}
-
-
-def sort_letters(given, right, rng):
-    return {"unsorted": given, "swapped_pair": swap_adjacent(right, rng), "reverse_order": right[::-1],
-            "last_letter_first": right[-1:] + right[:-1], "dropped_letter": drop_one(right, rng)}
-
-
-def count(given, right, rng):
-    n = int(right[0])
-    return {name: [str(n + d)] for d, name in OFF_BY.items() if n + d >= 1}
-
-
-def double_letters(given, right, rng):
-    i = rng.randrange(len(given))
-    once = [c for j, c in enumerate(given) for _ in range(1 if j == i else 2)]
-    return {"undoubled": given, "word_twice": given + given, "one_letter_once": once,
-            "one_letter_thrice": repeat_one(right, rng)}
-
-
-def next_letter(given, right, rng):
-    i = rng.randrange(len(given))
-    return {"unchanged": given, "previous_letter": shift_letters(given, -1), "two_ahead": shift_letters(given, 2),
-            "one_letter_unchanged": right[:i] + given[i : i + 1] + right[i + 1 :]}
-
-
-def plural(given, right, rng):
-    noun = "".join(given)
-    mistakes = {"always_s": noun + "s", "always_es": noun + "es", "singular": noun}
-    if noun.endswith("y"):  # the -ies rule used where it does not apply (day -> daies)
-        mistakes["ies_misused"] = noun[:-1] + "ies"
-    else:  # the final consonant doubled, as in busses
-        mistakes["doubled_final"] = noun + noun[-1] + "es"
-    return {name: list(word) for name, word in mistakes.items()}
-
-
-def first_word(given, right, rng):
-    return {"last_word": given[-1:], "second_word": given[1:2], "third_word": given[2:3],
-            "first_two_words": given[:2]}
-
-
-def last_word(given, right, rng):
-    return {"first_word": given[:1], "second_to_last": given[-2:-1], "third_to_last": given[-3:-2],
-            "last_two_words": given[-2:]}
-
-
-def reverse_words(given, right, rng):
-    return {"unreversed": given, "swapped_pair": swap_adjacent(right, rng), "dropped_word": drop_one(right, rng),
-            "repeated_word": repeat_one(right, rng)}
-
-
-def repeat_word(given, right, rng):
-    return {f"{name}_time": [given[0]] * (len(right) + d) for d, name in OFF_BY.items() if len(right) + d >= 1}
-
-
-def next_number(given, right, rng):
-    n = int(given[0])
-    mistakes = {"unchanged": n, "added_two": n + 2, "subtracted_one": n - 1, "added_ten": n + 10}
-    return {name: [str(value)] for name, value in mistakes.items() if value >= 0}
-
-
-def count_up(given, right, rng):
-    numbers = [int(n) for n in right]
-    start, end = numbers[0], numbers[-1]
-    mistakes = {"one_too_far": range(start, end + 2), "stopped_early": range(start, end),
-                "started_late": range(start + 1, end + 1), "counted_down": numbers[::-1]}
-    if start > 0:
-        mistakes["started_early"] = range(start - 1, end + 1)
-    if len(numbers) > 2:
-        mistakes["skipped_one"] = [start, *drop_one(numbers[1:-1], rng), end]
-    return {name: [str(n) for n in items] for name, items in mistakes.items()}
-
-
-# family -> (its mistakes, the pattern every answer of the family matches)
-FAMILIES: dict[str, tuple[Callable, re.Pattern]] = {
-    "reverse_letters": (reverse_letters, LETTERS), "sort_letters": (sort_letters, LETTERS),
-    "count_letters": (count, NUMBER), "double_letters": (double_letters, LETTERS),
-    "next_letter": (next_letter, LETTERS), "plural": (plural, LETTERS), "first_word": (first_word, WORDS),
-    "last_word": (last_word, WORDS), "reverse_words": (reverse_words, WORDS), "count_words": (count, NUMBER),
-    "repeat_word": (repeat_word, WORDS), "next_number": (next_number, NUMBER), "count_up": (count_up, NUMBERS),
-}
-
-
-def plausible_mistakes(record: dict, rng: random.Random) -> dict[str, str]:
-    """{rule name: wrong answer} for an instruction record: at least three, distinct once normalised,
-    none equal to the output, each written like the family's answers. ValueError if not."""
-    family = record.get("family")
-    if family not in FAMILIES:
-        raise ValueError(f"record {record.get('instruction')!r} / {record.get('input')!r}: family {family!r} has no "
-                         f"mistake rules; expected one of {sorted(FAMILIES)}")
-    rules, pattern = FAMILIES[family]
-    seen = {normalize_answer(record["output"])}
-    mistakes = {}
-    for name, items in rules(record["input"].split(), record["output"].split(), rng).items():
-        text = " ".join(items)
-        if text and normalize_answer(text) not in seen:
-            if not pattern.fullmatch(text):
-                raise ValueError(f"rule {family}:{name} wrote {text!r} for input {record['input']!r}, which is not "
-                                 f"written like the family's answers ({pattern.pattern})")
-            seen.add(normalize_answer(text))
-            mistakes[name] = text
-    if len(mistakes) < N_WRONG_CHOICES:
-        raise ValueError(f"family {family!r}, input {record['input']!r}: only {len(mistakes)} distinct mistakes "
-                         f"({mistakes}), expected at least {N_WRONG_CHOICES}")
-    return mistakes
-
-
-# --------------------------------------------------------------------------- building the two sets
-def record_rng(seed: int, purpose: str, record: dict) -> random.Random:
-    """A generator for one record and one purpose: each record's draws do not depend on the others."""
-    return random.Random(f"{seed}/{purpose}/{record['instruction']}/{record['input']}")
-
-
-def preference_pair(record: dict, answer: dict, seed: int) -> dict:
-    """The pair of one record: the model's answer as the rejected one when it is wrong and well-formed."""
-    pair = {"instruction": record["instruction"], "input": record["input"], "chosen": record["output"]}
-    text = answer["answer"]
-    if answer["well_formed"] and text.strip() and not exact_match(text, record["output"]):
-        rejected, source = text, "on-policy"
-    else:
-        mistakes = plausible_mistakes(record, record_rng(seed, "mistakes", record))
-        rule = record_rng(seed, "pair", record).choice(sorted(mistakes))
-        rejected, source = mistakes[rule], f"rule:{rule}"
-    return {**pair, "rejected": rejected, "family": record["family"], "split": record["split"], "source": source}
-
-
-def choice_item(record: dict, seed: int) -> dict:
-    """A multiple-choice item: the right answer among three rule mistakes, at a random position."""
-    mistakes = plausible_mistakes(record, record_rng(seed, "mistakes", record))
-    rng = record_rng(seed, "choices", record)
-    choices = [mistakes[name] for name in rng.sample(sorted(mistakes), N_WRONG_CHOICES)]
-    answer = rng.randrange(N_WRONG_CHOICES + 1)
-    choices.insert(answer, record["output"])
-    return {"context": format_prompt(record), "choices": choices, "answer": answer, "family": record["family"]}
-
-
-def key(record: dict) -> tuple[str, str]:
-    return record["instruction"], record["input"]
-
-
-def build(records: list[dict], answers: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
-    """(preference pairs, multiple-choice items) from the instruction records and the model's answers."""
-    validate_records(records)
-    for index, answer in enumerate(answers):
-        if not isinstance(answer, dict) or not all(isinstance(answer.get(k), t) for k, t in ANSWER_FIELDS.items()):
-            fields = ", ".join(f"{k}: {t.__name__}" for k, t in ANSWER_FIELDS.items())
-            raise ValueError(f"answer {index} of the answers file: expected {{{fields}}}, got {answer!r}")
-    by_prompt = {key(a): a for a in answers}
-    missing = [key(r) for r in records if key(r) not in by_prompt]
-    if missing:
-        raise ValueError(f"the answers file has no answer to {len(missing)} of the {len(records)} prompts (first: "
-                         f"{missing[0]!r}); regenerate it with --answers-from RUN_FOLDER")
-    for index, record in enumerate(records):
-        if record.get("split") not in SPLITS or record.get("family") not in FAMILIES:
-            raise ValueError(f"instruction record {index}: split {record.get('split')!r} and family "
-                             f"{record.get('family')!r}; expected a split in {SPLITS} and a known family")
-    pairs = validate_pairs([preference_pair(r, by_prompt[key(r)], seed) for r in records])
-    trained = {key(p) for p in pairs if p["split"] == "train"}
-    leaked = [key(p) for p in pairs if p["split"] == "test" and key(p) in trained]
-    if leaked:
-        raise ValueError(f"{len(leaked)} test prompts are also training prompts (first: {leaked[0]!r})")
-    items = [choice_item(r, seed) for r in records if r["split"] == "test"]
-    return pairs, items
 
 
 # --------------------------------------------------------------------------- the model's answers
@@ -345,7 +136,7 @@ def run(args: argparse.Namespace, command: str) -> None:
     if not isinstance(answers, dict) or not isinstance(answers.get("answers"), list):
         raise ValueError(f"{args.answers}: expected {{'model': ..., 'answers': [...]}}, as --answers-from "  # noqa: TRY004
                          "writes")
-    pairs, items = build(records, answers["answers"], args.seed)
+    pairs, items = build_preference_data(records, answers["answers"], args.seed)
     write_or_check_records({args.preferences: pairs, args.choices: items}, args.check)
     if args.check:
         print(f"{args.preferences} and {args.choices} are up to date")

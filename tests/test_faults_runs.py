@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmscratch import tasks
 from llmscratch.checkpoint import export_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 from llmscratch.classify import Classifier
 from llmscratch.generate import stream
@@ -535,10 +536,9 @@ def test_the_memory_planner_refuses_more_blocks_than_it_can_list(capsys):
 
 
 def test_instruction_data_asked_for_more_than_a_family_holds_fails_at_once(tmp_path):
-    make_records = script("instructions_data").make_records
     with pytest.raises(ValueError, match=r"family 'reverse_letters' has only \d+ distinct records, fewer than "
                                          r"1000000000000"):
-        make_records(10**12, seed=0)  # (it drew 10**14 times before giving up)
+        tasks.make_records(10**12, seed=0)  # (it drew 10**14 times before giving up)
 
 
 def test_ctrl_c_in_a_data_script_is_a_line_and_status_130_not_a_traceback(tmp_path):

@@ -1,5 +1,5 @@
-"""ch06-alignment/make_preference_data.py: the rule mistakes, the preference pairs, the multiple-choice set
-and its chance level, --check, and answers made by a (tiny) model."""
+"""The rule mistakes of llmscratch.tasks, and ch06-alignment/make_preference_data.py: the preference pairs, the
+multiple-choice set and its chance level, --check, and answers made by a (tiny) model."""
 
 import hashlib
 import importlib.util
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmscratch import tasks
 from llmscratch.assets import (
     INSTRUCTION_ANSWERS_PATH,
     INSTRUCTION_CHOICES_PATH,
@@ -92,8 +93,8 @@ def test_every_record_gets_three_distinct_well_formed_mistakes(family):
     records = [r for r in RECORDS if r["family"] == family]
     assert len(records) == 120  # no family left out: each has its records, and each record its mistakes
     for record in records:
-        for rng in (random.Random(0), script.record_rng(1, "mistakes", record)):
-            mistakes = script.plausible_mistakes(record, rng)
+        for rng in (random.Random(0), tasks.record_rng(1, "mistakes", record)):
+            mistakes = tasks.plausible_mistakes(record, rng)
             normalized = [normalize_answer(m) for m in mistakes.values()]
             assert len(mistakes) >= 3 and len(set(normalized)) == len(normalized), mistakes
             assert normalize_answer(record["output"]) not in normalized
@@ -101,7 +102,7 @@ def test_every_record_gets_three_distinct_well_formed_mistakes(family):
 
 
 def test_the_families_are_those_of_the_instructions():
-    assert set(FORMATS) == {r["family"] for r in RECORDS} == set(script.FAMILIES)
+    assert set(FORMATS) == {r["family"] for r in RECORDS} == set(tasks.FAMILIES)
 
 
 @pytest.mark.parametrize("family, given, right, instruction, expected", [
@@ -129,23 +130,23 @@ def test_the_families_are_those_of_the_instructions():
 ])
 def test_rule_mistakes_by_hand(family, given, right, instruction, expected):
     record = {"instruction": instruction or "an instruction", "input": given, "output": right, "family": family}
-    mistakes = script.plausible_mistakes(record, random.Random(0))
+    mistakes = tasks.plausible_mistakes(record, random.Random(0))
     assert {name: mistakes.get(name) for name in expected} == expected
 
 
 def test_no_mistake_that_is_the_right_answer():
     # A palindrome: "unreversed" would be the right answer, so it must not be offered.
-    mistakes = script.plausible_mistakes({"instruction": "i", "input": "d i d", "output": "d i d",
+    mistakes = tasks.plausible_mistakes({"instruction": "i", "input": "d i d", "output": "d i d",
                                           "family": "reverse_letters"}, random.Random(0))
     assert "unreversed" not in mistakes and "d i d" not in mistakes.values()
 
 
 def test_a_family_without_mistakes_is_a_clear_error():
     with pytest.raises(ValueError, match="only 1 distinct mistakes"):  # sorted "a a a": only "a a" is wrong
-        script.plausible_mistakes({"instruction": "i", "input": "a a a", "output": "a a a",
+        tasks.plausible_mistakes({"instruction": "i", "input": "a a a", "output": "a a a",
                                    "family": "sort_letters"}, random.Random(0))
     with pytest.raises(ValueError, match="family 'haiku' has no mistake rules"):
-        script.plausible_mistakes({"instruction": "i", "input": "x", "output": "y", "family": "haiku"},
+        tasks.plausible_mistakes({"instruction": "i", "input": "x", "output": "y", "family": "haiku"},
                                   random.Random(0))
 
 
@@ -177,7 +178,7 @@ def test_on_policy_where_the_model_was_wrong_and_well_formed(built):
             assert pair["source"] == "on-policy" and pair["rejected"] == answer["answer"]
         else:  # a rule mistake, reproducible from the record alone
             rule = pair["source"].removeprefix("rule:")
-            mistakes = script.plausible_mistakes(outputs[key(pair)], script.record_rng(0, "mistakes", pair))
+            mistakes = tasks.plausible_mistakes(outputs[key(pair)], tasks.record_rng(0, "mistakes", pair))
             assert pair["source"].startswith("rule:") and pair["rejected"] == mistakes[rule]
     assert Counter(p["source"] == "on-policy" for p in built["pairs"]) == {True: len(RECORDS) // 4,
                                                                            False: len(RECORDS) - len(RECORDS) // 4}
