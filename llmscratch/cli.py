@@ -215,8 +215,9 @@ def check_finetune_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
         refuse(parser, err)
 
 
-def finetune_config(args: argparse.Namespace) -> FinetuneConfig:
-    """The FinetuneConfig the shared flags describe: --lora is trainable lora, --test-mode one epoch."""
+def finetune_config(args: argparse.Namespace, config_class: type[FinetuneConfig] = FinetuneConfig) -> FinetuneConfig:
+    """The FinetuneConfig (or subclass, e.g. DPOConfig) the shared flags describe: --lora is trainable lora,
+    --test-mode one epoch."""
     lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha)  # args.lora is only the switch
-    config = build_config(FinetuneConfig, args, lora=lora, trainable="lora" if args.lora else args.trainable)
+    config = build_config(config_class, args, lora=lora, trainable="lora" if args.lora else args.trainable)
     return dataclasses.replace(config, epochs=1) if args.test_mode else config  # a new config, checked again

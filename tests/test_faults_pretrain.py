@@ -30,6 +30,7 @@ from llmscratch.checkpoint import export_model, load_checkpoint, model_from_chec
 from llmscratch.data import load_token_split, prepare_token_files
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
+from llmscratch.train import Trainer
 from test_pretrain_script import SCRIPT, TINY, pretrain
 from tiny_training import TEXT, model_config, tokenizer
 
@@ -366,7 +367,7 @@ def test_a_full_disk_during_a_run_is_a_clear_error(tmp_path, capsys, monkeypatch
 
 # --------------------------------------------------------------------------- signals
 def test_ctrl_c_saves_the_step_under_way_and_says_where_resume_restarts(tmp_path, capsys, monkeypatch):
-    real_step, calls = pretrain.Trainer.train_step, []
+    real_step, calls = Trainer.train_step, []
 
     def step_then_interrupt(self):
         calls.append(self.step)
@@ -375,7 +376,7 @@ def test_ctrl_c_saves_the_step_under_way_and_says_where_resume_restarts(tmp_path
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the run
         return result
 
-    monkeypatch.setattr(pretrain.Trainer, "train_step", step_then_interrupt)
+    monkeypatch.setattr(Trainer, "train_step", step_then_interrupt)
     handler = signal.getsignal(signal.SIGINT)
     assert run_main(with_text("--max-steps", "20", "--checkpoint-interval", "5")(tmp_path)) == 130
     out = capsys.readouterr().out
@@ -384,13 +385,13 @@ def test_ctrl_c_saves_the_step_under_way_and_says_where_resume_restarts(tmp_path
     assert load_checkpoint(tmp_path / RUN / "checkpoint.pt")["step"] == 3
     assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back
     assert calls == [0, 1, 2]
-    monkeypatch.setattr(pretrain.Trainer, "train_step", real_step)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
     assert run_main(["--out-dir", str(tmp_path / RUN), "--resume", "--max-steps", "5"]) == 0
     assert len((tmp_path / RUN / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 def test_a_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, capsys, monkeypatch):
-    real_step = pretrain.Trainer.train_step
+    real_step = Trainer.train_step
 
     def step_then_interrupt_twice(self):
         result = real_step(self)
@@ -399,7 +400,7 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, c
             os.kill(os.getpid(), signal.SIGINT)
         return result
 
-    monkeypatch.setattr(pretrain.Trainer, "train_step", step_then_interrupt_twice)
+    monkeypatch.setattr(Trainer, "train_step", step_then_interrupt_twice)
     assert run_main(with_text("--max-steps", "20", "--checkpoint-interval", "2")(tmp_path)) == 130
     assert re.search(r"interrupted at step 3; --resume --out-dir \S+ restarts from step 2, its last checkpoint",
                      capsys.readouterr().out)
@@ -448,7 +449,7 @@ def test_stale_temporaries_of_the_checkpoint_are_removed_at_start_and_nothing_el
 def test_no_trainer_is_alive_when_the_process_group_is_left(tmp_path, finished_run, monkeypatch, capsys):
     """Every way out of main() drops the Trainer (and its DDP wrapper) before distributed.teardown."""
     trainers, seen = [], []
-    real_init = pretrain.Trainer.__init__
+    real_init = Trainer.__init__
 
     def tracked_init(self, *args, **kwargs):
         trainers.append(weakref.ref(self))
@@ -458,7 +459,7 @@ def test_no_trainer_is_alive_when_the_process_group_is_left(tmp_path, finished_r
         gc.collect()  # as the real one does: only references that are not garbage count
         seen.append([ref for ref in trainers if ref() is not None])
 
-    monkeypatch.setattr(pretrain.Trainer, "__init__", tracked_init)
+    monkeypatch.setattr(Trainer, "__init__", tracked_init)
     monkeypatch.setattr(distributed, "teardown", teardown)
     run = copy_run(finished_run, tmp_path)
 
@@ -480,8 +481,8 @@ def test_no_trainer_is_alive_when_the_process_group_is_left(tmp_path, finished_r
     def crashed(self):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(pretrain.Trainer, "train_step", interrupted)
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
     leaves_cleanly(["--out-dir", str(run), "--resume", "--max-steps", "8"], 130)  # Ctrl-C
-    monkeypatch.setattr(pretrain.Trainer, "train_step", crashed)
+    monkeypatch.setattr(Trainer, "train_step", crashed)
     leaves_cleanly(["--out-dir", str(run), "--resume", "--max-steps", "8"], error=RuntimeError)
     assert len(trainers) == 4

@@ -12,6 +12,9 @@ import torch
 
 from llmscratch.assets import read_instructions
 from llmscratch.checkpoint import export_model, model_from_checkpoint
+from llmscratch.cli import finetune_config
+from llmscratch.config import DPOConfig
+from llmscratch.dpo import pair_batches, read_pairs, train_dpo
 from llmscratch.finetune import load_base, set_trainable
 from llmscratch.instruct import format_prompt, normalize
 from llmscratch.lora import adapters_disabled, lora_layers
@@ -146,13 +149,13 @@ def test_training_leaves_the_reference_as_it_started(model_path, pairs_path, tra
     module = script()
     args = module.parse_args(["--model", str(model_path), "--data", str(pairs_path), "--test-mode",
                               "--trainable", trainable, "--lr", "1e-2"])
-    config = module.dpo_config(args)
+    config = finetune_config(args, DPOConfig)
     model, tokenizer = load_base(model_path)
     start = {name: p.detach().clone() for name, p in model.state_dict().items()}
     set_trainable(model, config, always=[] if trainable == "lora" else [model.lm_head])
     reference = ReferenceModel(model)
-    batches = module.pair_batches(module.read_pairs(pairs_path, True), tokenizer, reference, config, 160)
-    module.train(model, batches, config, torch.device("cpu"), progress=False, steps=[])
+    batches = pair_batches(read_pairs(pairs_path, True), tokenizer, reference, config, 160)
+    train_dpo(model, batches, config, torch.device("cpu"), progress=False, steps=[])
     if trainable == "lora":  # the reference is the policy with its adapters off: the base weights are untouched
         with adapters_disabled(model):
             base = {name.replace(".base.", "."): p for name, p in model.state_dict().items() if "lora_" not in name}

@@ -205,10 +205,11 @@ def test_the_bundled_pretrained_model_is_the_default_runs(tmp_path):
     from llmscratch.assets import PRETRAINED_PATH, read_pretraining_metrics
     from llmscratch.evaluation import evaluate, token_byte_lengths
     from llmscratch.optim import learning_rate
+    from llmscratch.pretraining import build_configs, load_data
 
     args = pretrain.parse_args(["--out-dir", str(tmp_path / "run"), "--dtype", "bfloat16"])
-    tokenizer, _, val, _ = pretrain.load_data(args, distributed.DistInfo(device=torch.device("cpu")))
-    model_config, train_config = pretrain.build_configs(args, tokenizer, torch.device("cpu"))
+    tokenizer, _, val, _ = load_data(args, distributed.DistInfo(device=torch.device("cpu")))
+    model_config, train_config = build_configs(args, tokenizer, torch.device("cpu"))
     model = model_from_checkpoint(PRETRAINED_PATH)
     assert model.config == model_config
     assert tokenizer_from_checkpoint(PRETRAINED_PATH).to_json() == tokenizer.to_json()  # trained afresh here
