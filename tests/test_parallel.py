@@ -207,7 +207,7 @@ def test_torchrun_runs_the_script_with_fsdp_and_resumes(tmp_path):
 # worker has a session of its own, so through /proc: Linux): all die at once, rank 0 wherever it is (in the
 # next step, or writing the checkpoint of this one).
 KILLING_PRETRAIN = """
-import os, runpy, signal, sys
+import os, runpy, signal, sys, time
 from pathlib import Path
 from llmscratch.train import Trainer
 
@@ -219,6 +219,11 @@ def parent(pid):
 def record_then_die(self, *args):
     record(self, *args)
     if self.step == {kill_at} and self.dist.rank == 1:
+        metrics = self.out_dir / "metrics.jsonl"  # rank 0 writes it: on a loaded machine it may lag behind
+        for _ in range(600):  # (at most 60 s) so that the kill lands after step {kill_at}'s line, as asserted
+            if metrics.exists() and metrics.read_text().count("\\n") >= {kill_at}:
+                break
+            time.sleep(0.1)
         launcher = os.getppid()
         workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and parent(p) == launcher]
         for pid in [launcher, *workers, os.getpid()]:
