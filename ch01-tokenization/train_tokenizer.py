@@ -11,7 +11,8 @@ from pathlib import Path
 
 from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.data import read_text_file, split_text
+from llmscratch.corpus import read_text_file
+from llmscratch.data import split_text
 from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, check_special_tokens
 
 

@@ -6,9 +6,6 @@ saves a plot. Example: python ch02-attention/attention_bench.py --seq-lens 128 2
 """
 
 import argparse
-import functools
-import re
-import statistics
 from pathlib import Path
 
 import matplotlib
@@ -17,14 +14,19 @@ matplotlib.use("Agg")  # a script writes a PNG; it needs no display
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullLocator
 import torch
-from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from llmscratch.attention import MultiHeadAttention
 from llmscratch.cli import check_out_files, run_script
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
-from llmscratch.flops import cpu_model
-from llmscratch.profiling import peak_memory_bytes, quiet_stderr, round_robin, time_once
+from llmscratch.profiling import (
+    backward_step,
+    device_description,
+    failed_allocation,
+    peak_memory_bytes,
+    sdpa_kernels,
+    time_steps,
+)
 from llmscratch.rope import RotaryEmbedding
 
 VARIANTS = ("explicit", "fused", "compiled")
@@ -93,45 +95,6 @@ def build_variants(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     return variants
 
 
-def make_step(module, rope, x: torch.Tensor, grad_out: torch.Tensor):
-    """One training-like step: forward, backward, then drop the gradients so every step starts alike."""
-
-    def step():
-        module(x, rope).backward(grad_out)
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-
-    return step
-
-
-def time_variants(steps: dict, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    """For each variant: (seconds of its first step, compilation included; median of the timed steps)."""
-    first = {}
-    for name, step in steps.items():
-        first[name] = time_once(step, args.device)
-        for _ in range(args.warmup - 1):
-            step()
-    timings = round_robin({name: functools.partial(time_once, step, args.device) for name, step in steps.items()},
-                          args.repeats)
-    return {name: (first[name], statistics.median(timings[name])) for name in steps}
-
-
-def sdpa_kernels(module, rope, x: torch.Tensor) -> str:
-    """Names of the kernels scaled_dot_product_attention dispatched to for this input."""
-    with torch.no_grad(), quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        module(x, rope)
-    names = {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
-    return ", ".join(sorted(names)) or "none found"
-
-
-def describe_machine(args: argparse.Namespace) -> str:
-    if args.device.type == "cuda":
-        where = torch.cuda.get_device_name()
-    else:
-        where = f"{cpu_model()}, {torch.get_num_threads()} threads"
-    return f"torch {torch.__version__} on {args.device.type} ({where}), {args.dtype}"
-
-
 def print_table(results: dict, args: argparse.Namespace) -> None:
     names = [n for n in VARIANTS if n in results]
     header = ["seq_len", *(f"{n} ms" for n in names), "fused/explicit", *(f"{n} MiB" for n in names)]
@@ -177,7 +140,7 @@ def main() -> None:
     except ValueError as error:
         raise SystemExit(f"error: {error}")
     n_kv_heads = args.n_kv_heads or args.n_heads
-    title = (f"{describe_machine(args)}; batch {args.batch_size}, d_model {args.d_model}, "
+    title = (f"{device_description(args.device)}, {args.dtype}; batch {args.batch_size}, d_model {args.d_model}, "
              f"{args.n_heads} heads / {n_kv_heads} kv heads{', RoPE' if args.rope else ''}")
     print(title)
     generator = torch.Generator().manual_seed(args.seed)
@@ -189,20 +152,21 @@ def main() -> None:
     results = {name: {} for name in variants}
     seq_len = args.seq_lens[0]
     try:
-        print(f"fused path runs: {sdpa_kernels(variants['fused'], rope, random_input(seq_len))}")
+        x = random_input(seq_len)
+        kernels = sdpa_kernels(lambda: variants["fused"](x, rope))
+        print(f"fused path runs: {', '.join(kernels) or 'none found'}")
         for seq_len in tqdm(args.seq_lens, desc=f"measuring {', '.join(variants)}"):
             x = random_input(seq_len).requires_grad_()
             grad_out = random_input(seq_len)
-            steps = {name: make_step(module, rope, x, grad_out) for name, module in variants.items()}
-            for name, (first_s, median_s) in time_variants(steps, args).items():
+            steps = {name: backward_step(module, (x, rope), grad_out) for name, module in variants.items()}
+            for name, (first_s, median_s) in time_steps(steps, args.repeats, args.warmup, args.device).items():
                 mib = peak_memory_bytes(steps[name], args.device) / 2**20
                 results[name][seq_len] = {"ms": median_s * 1e3, "mib": mib, "first_s": first_s}
     except (torch.OutOfMemoryError, RuntimeError) as error:  # the CPU allocator's failure is a RuntimeError
-        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+        if (asked := failed_allocation(error)) is None:
             raise
-        asked = re.search(r"allocate (\d+ bytes|[\d.]+ [KMGT]iB)", str(error))
         raise SystemExit(f"error: batch {args.batch_size} x {seq_len} tokens x d_model {args.d_model} needs more "
-                         f"memory than {args.device} has{f' (one tensor of {asked[1]})' if asked else ''}; use a "
+                         f"memory than {args.device} has{f' (one tensor of {asked})' if asked else ''}; use a "
                          f"smaller --batch-size or --seq-lens") from None
     print_table(results, args)
     plot(results, args, title)

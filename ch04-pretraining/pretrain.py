@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--data", type=Path, nargs="+", default=[MOBY_DICK_PATH], metavar="PATH",
-                   help="UTF-8 text file(s), or one folder of token files made by llmscratch.data."
+                   help="UTF-8 text file(s), or one folder of token files made by llmscratch.corpus."
                         "prepare_token_files (train.bin, val.bin, meta.json; for corpora too big for "
                         "memory). Default: the bundled Moby-Dick")
     d.add_argument("--val-fraction", type=finite_float, default=0.1,

@@ -15,33 +15,22 @@ report.md (the table), report.png (a chart) and report.json (every number, with 
 """
 
 import argparse
-import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from llmscratch.assets import (
-    INSTRUCTION_CHOICES_PATH,
-    MOBY_CLOZE_PATH,
-    PRETRAINED_PATH,
-    read_instructions,
-)
-from llmscratch.checkpoint import load_checkpoint
-from llmscratch.classify import Classifier, spam_splits
+from llmscratch.assets import INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH, PRETRAINED_PATH
 from llmscratch.cli import run_folder, value_errors_exit
-from llmscratch.config import FinetuneConfig
-from llmscratch.data import input_problem
+from llmscratch.corpus import input_problem
 from llmscratch.device import resolve_device
-from llmscratch.evaluation import check_choice_items
-from llmscratch.finetune import load_base
-from llmscratch.instruct import read_json_records
 from llmscratch.report import (
+    TEST_MODE_ITEMS,
     Benchmarks,
-    classifier_scores,
-    held_out_moby_dick,
-    language_model_scores,
+    load_benchmarks,
     markdown_table,
+    read_choice_items,
+    score_model,
     write_report,
 )
 from llmscratch.runfolder import folder_problem, save_or_rescue
@@ -54,7 +43,6 @@ DEFAULT_MODELS = {
     "dpo": (Path("runs/preferences/model.safetensors"), "python ch06-alignment/finetune_preferences.py"),
     "classifier": (Path("runs/classifier/classifier.pt"), "python ch05-finetuning/finetune_classifier.py"),
 }
-TEST_MODE_ITEMS = 8  # per benchmark with --test-mode (and 2 windows of held-out text)
 
 
 def resolve_model(spec: str) -> tuple[str, Path]:
@@ -107,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if path not in (INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH) and (problem := input_problem(path)):
             parser.error(f"{flag} {path}: {problem}")
         try:  # read and checked now: not found wrong after minutes of scoring
-            setattr(args, name, read_items(path))
+            setattr(args, name, read_choice_items(path))
         except ValueError as err:
             parser.error(f"{flag} {err}")
     try:
@@ -123,69 +111,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = resolve_device(args.device)
     except ValueError as err:
         parser.error(f"--device: {err}")
+    args.items = TEST_MODE_ITEMS if args.test_mode else args.limit  # per benchmark
+    args.windows = 2 if args.test_mode else args.limit  # of held-out text
     return args
 
 
-def read_items(path: Path) -> list[dict]:
-    """The multiple-choice items of a JSON list (checked), or [] (with a note) when the bundled file is not there."""
-    if not path.is_file():
-        print(f"note: {path} is not there; its benchmark is skipped")
-        return []
-    items = read_json_records(path)
+def score(label: str, path: Path, benchmarks: Benchmarks, args: argparse.Namespace) -> dict:
+    """score_model of one --model, its errors naming the flag; prints what it was and how long it took."""
     try:
-        check_choice_items(items)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    return items
-
-
-def benchmarks_for(args: argparse.Namespace) -> Benchmarks:
-    """The data of every benchmark, cut to --limit (or the --test-mode size)."""
-    limit = TEST_MODE_ITEMS if args.test_mode else args.limit
-    tests = [r for r in read_instructions() if r["split"] == "test"]
-    if limit is not None:  # every family keeps some: the records are listed family by family
-        tests = tests[:: max(1, len(tests) // limit)][:limit]
-    cut = slice(None, limit)
-    return Benchmarks(held_out=held_out_moby_dick(), max_windows=2 if args.test_mode else args.limit,
-                      instructions=tests, choices=args.choices[cut], cloze=args.cloze[cut])
-
-
-def spam_test_split(path: Path, limit: int | None) -> list[tuple[str, int]]:
-    """The test messages of the classifier's own run: split with the seed its metrics.json records."""
-    metrics = path.parent / "metrics.json"
-    seed = FinetuneConfig().seed
-    if not metrics.is_file():
-        print(f"note: no metrics.json beside {path}: its test split is drawn with the default seed {seed}, which "
-              f"holds out other messages than its own run did if that run had another --seed")
-    else:
-        try:
-            seed = json.loads(metrics.read_text(encoding="utf-8"))["config"]["seed"]
-        except (ValueError, TypeError, KeyError) as err:  # not JSON, or not the script's metrics
-            raise ValueError(f"{metrics}, beside the classifier, should be the metrics.json its run wrote, with "
-                             f"config.seed (the seed of its test split); it is not ({type(err).__name__}: {err})"
-                             ) from None
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"{metrics}: config.seed should be an integer, got {seed!r}")
-    return spam_splits(seed=seed)["test"][:limit]
-
-
-def score_model(label: str, path: Path, benchmarks: Benchmarks, args: argparse.Namespace) -> dict:
-    """{"source", "kind", "scores", "seconds"} of one model."""
-    start = time.perf_counter()
-    try:
-        if path.suffix == ".pt" and "labels" in load_checkpoint(path):  # a classifier: spam only
-            classifier = Classifier.load(path, args.device)
-            limit = TEST_MODE_ITEMS if args.test_mode else args.limit
-            kind, scores = "spam classifier", classifier_scores(classifier, spam_test_split(path, limit))
-        else:
-            model, tokenizer = load_base(path, args.device)
-            kind = "language model"
-            scores = language_model_scores(model, tokenizer, benchmarks, args.device, progress=not args.no_progress)
+        result = score_model(path, benchmarks, args.device, args.items, progress=not args.no_progress)
     except ValueError as err:
         raise ValueError(f"--model {label} ({path}): {err}") from None
-    seconds = time.perf_counter() - start
-    print(f"{label}: {kind} from {path}, scored in {seconds:.0f} s")
-    return {"source": str(path), "kind": kind, "scores": scores, "seconds": seconds}
+    print(f"{label}: {result['kind']} from {path}, scored in {result['seconds']:.0f} s")
+    return result
 
 
 def main(argv=None) -> None:
@@ -193,8 +131,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     # A model file that does not load, a malformed benchmark, a report that cannot be written: a message.
     with value_errors_exit(), run_folder(args, outputs=()):
-        benchmarks = benchmarks_for(args)
-        results = {label: score_model(label, path, benchmarks, args) for label, path in args.models}
+        benchmarks = load_benchmarks(args.choices, args.cloze, args.items, args.windows)
+        results = {label: score(label, path, benchmarks, args) for label, path in args.models}
         summary = {"benchmarks": {"held_out_characters": len(benchmarks.held_out or ""),
                                   "max_windows": benchmarks.max_windows,
                                   "instruction_tests": len(benchmarks.instructions),

@@ -25,7 +25,6 @@ llmscratch.tasks, beside the families they belong to.
 """
 
 import argparse
-import hashlib
 import json
 import shlex
 import sys
@@ -37,40 +36,14 @@ from llmscratch.assets import (
     INSTRUCTION_CHOICES_PATH,
     INSTRUCTIONS_PATH,
     PREFERENCES_PATH,
-    dumps_records,
+    dumps_answers,
     write_or_check_records,
 )
 from llmscratch.atomic import write_text_atomically
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.evaluation import exact_match
-from llmscratch.instruct import SPLITS, validate_records
+from llmscratch.metrics import exact_match
+from llmscratch.instruct import SPLITS, model_answers, validate_records
 from llmscratch.tasks import build_preference_data
-
-MAX_NEW_TOKENS = 24  # as ch05-finetuning/finetune_instructions.py scores the model
-
-
-# --------------------------------------------------------------------------- the model's answers
-def model_answers(run: Path, records: list[dict], command: str, progress: bool) -> dict:
-    """The answers file's content: the greedy answer of the model in ``run`` to every record's prompt."""
-    # torch and the model are imported only when answers are made: --check needs neither.
-    from llmscratch.finetune import load_base
-    from llmscratch.instruct import respond
-
-    path = run / "model.safetensors" if run.is_dir() else run
-    if not path.is_file() or path.suffix != ".safetensors":
-        raise ValueError(f"--answers-from {run}: expected a run folder holding model.safetensors, or that file")
-    model, tokenizer = load_base(path)
-    responses = respond(model.eval(), tokenizer, records, MAX_NEW_TOKENS, progress=progress)
-    answers = [{"instruction": r["instruction"], "input": r["input"], "split": r["split"], "answer": a.text,
-                "well_formed": a.well_formed} for r, a in zip(records, responses)]
-    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
-    model_info = {"path": str(path), "sha256": sha256, "command": command, "max_new_tokens": MAX_NEW_TOKENS,
-                  "decoding": "greedy, float32"}
-    return {"model": model_info, "answers": answers}
-
-
-def dumps_answers(content: dict) -> str:
-    return '{"model": ' + json.dumps(content["model"]) + ',\n"answers": ' + dumps_records(content["answers"]) + "}\n"
 
 
 def read_json(path: Path, what: str):
@@ -128,7 +101,11 @@ def run(args: argparse.Namespace, command: str) -> None:
     records = read_json(args.instructions, "a JSON list of instruction records")
     validate_records(records)
     if args.answers_from is not None:
-        content = model_answers(args.answers_from, records, command, progress=not args.no_progress)
+        folder = args.answers_from
+        path = folder / "model.safetensors" if folder.is_dir() else folder
+        if not path.is_file() or path.suffix != ".safetensors":
+            raise ValueError(f"--answers-from {folder}: expected a run folder holding model.safetensors, or that file")
+        content = model_answers(path, records, command, progress=not args.no_progress)
         write_text_atomically(args.answers, dumps_answers(content))
         wrong = sum(not exact_match(a["answer"], r["output"]) for a, r in zip(content["answers"], records))
         print(f"wrote {len(records):,} answers to {args.answers}: {wrong:,} wrong")

@@ -5,10 +5,10 @@ sum; it is the one to read and the reference the tests hold the other to. The fu
 ``F.scaled_dot_product_attention``, which picks flash / memory-efficient kernels on CUDA and a
 fused kernel on CPU, and never stores the (T, T) weights.
 
-A KV cache is used in one of two ways. With ``start_pos`` (an int) new keys are appended and
-attention reads the filled part only, whose length grows step by step. With ``input_pos`` (a
-tensor of positions) they are written in place and attention reads the whole cache, masked to
-the filled positions: the shapes never change, so ``torch.compile`` compiles a decoding step once.
+A KV cache holds the keys and values of the positions fed so far, preallocated at a fixed size.
+New keys and values are written at their positions (a tensor, ``input_pos``) and attention reads
+the whole cache, masked to the positions up to each query's own: the shapes never change from
+step to step, so ``torch.compile`` compiles a decoding step once (gpt-fast's design).
 """
 
 import math
@@ -64,21 +64,13 @@ def explicit_attention(
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The same causal attention through scaled_dot_product_attention; returns (B, nh, T, hs)."""
-    q_len, kv_len = q.size(-2), k.size(-2)
-    # SDPA's is_causal aligns its triangle top-left, right only when queries and keys start at
-    # the same position. One new token may see every cached key (no mask at all); a chunk
-    # appended after cached keys needs the bottom-right mask spelled out.
-    if mask is not None:
-        is_causal = False
-    elif q_len == kv_len:
-        mask, is_causal = None, True
-    elif q_len == 1:
-        mask, is_causal = None, False
-    else:
-        mask, is_causal = causal_mask(q_len, kv_len, q.device), False
+    """The same causal attention through scaled_dot_product_attention; returns (B, nh, T, hs).
+
+    Without a mask, queries and keys are the same T positions: SDPA's own causal triangle (is_causal)
+    is right, and lets it pick its fastest kernel. A cache passes its positions mask instead.
+    """
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=k.size(1) != q.size(1)
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=k.size(1) != q.size(1)
     )  # (B, nh, T, hs)
 
 
@@ -117,45 +109,17 @@ class KVCache:
     def max_seq_len(self) -> int:
         return self.keys.size(2)
 
-    def update(
-        self, keys: torch.Tensor, values: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store keys/values (B, n_kv, T, hs) at start_pos..start_pos+T-1; return all of 0..start_pos+T-1."""
-        batch_size, n_kv_heads, seq_len, head_dim = keys.shape
-        if batch_size > self.batch_size:
-            raise ValueError(
-                f"batch of {batch_size} does not fit a KVCache allocated for batch_size={self.batch_size}"
-            )
-        if (n_kv_heads, head_dim) != (self.keys.size(1), self.keys.size(3)):
-            raise ValueError(
-                f"keys have n_kv_heads={n_kv_heads}, head_dim={head_dim}; this KVCache holds "
-                f"n_kv_heads={self.keys.size(1)}, head_dim={self.keys.size(3)}"
-            )
-        end = start_pos + seq_len
-        if start_pos < 0 or end > self.max_seq_len:
-            raise ValueError(
-                f"positions {start_pos}..{end - 1} (start_pos={start_pos}, seq_len={seq_len}) "
-                f"do not fit a KVCache of max_seq_len={self.max_seq_len}"
-            )
-        self.keys[:batch_size, :, start_pos:end] = keys
-        self.values[:batch_size, :, start_pos:end] = values
-        return self.keys[:batch_size, :, :end], self.values[:batch_size, :, :end]  # (B, n_kv, end, hs)
-
     def write(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values (B, n_kv, T, hs) at the positions input_pos (T,); return the whole cache.
 
         The result (B, n_kv, max_seq_len, hs) has the same shape at every step; attention must hide
-        the positions not written yet (``positions_mask``). The positions are not checked here (that
-        would read them back from the device at every step): the caller keeps them below max_seq_len.
+        the positions not written yet (``positions_mask``). Nothing is checked here, once per layer and
+        token: the cache's sizes were checked when it was made, and the caller (``GPT.forward``,
+        ``generate``) keeps the positions below max_seq_len and the batch within batch_size.
         """
         batch_size = keys.size(0)
-        if batch_size > self.batch_size or keys.shape[1::2] != self.keys.shape[1::2]:
-            raise ValueError(
-                f"keys of shape {tuple(keys.shape)} do not fit a KVCache of shape {tuple(self.keys.shape)} "
-                f"(batch_size, n_kv_heads, max_seq_len, head_dim)"
-            )
         # Under autocast the projections come out in bf16/fp16; the cache keeps its own dtype (as a slice
         # assignment would), so that the same cache serves eager and autocast steps alike.
         self.keys[:batch_size].index_copy_(2, input_pos, keys.to(self.keys.dtype))
@@ -233,18 +197,15 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend over x (B, T, d_in), whose tokens sit at positions start_pos..start_pos+T-1.
 
-        rope: rotate queries and keys (a table the model shares across layers).
-        kv_cache: this layer's cache; x is appended at start_pos and attends to all of 0..start_pos+T-1.
-        input_pos: instead of start_pos, the positions (T,) of x's tokens as a tensor, with kv_cache:
-        x is written there and attends to the whole cache, masked to the positions up to its own
-        (``KVCache.write``), so the shapes are the same at every decoding step.
-        need_weights: also return the weights (B, nh, T, S) actually used (explicit path only).
+        input_pos: the positions (T,) as a tensor instead of start_pos, what a compiled decoding step
+        passes (a new position is then new data, not a new graph).
+        rope: rotate queries and keys at those positions (a table the model shares across layers).
+        kv_cache: this layer's cache; x's keys and values are written at their positions and x attends
+        to the whole cache, masked to the positions up to its own (``KVCache.write``).
+        need_weights: also return the weights (B, nh, T, S), computed by the explicit path whatever
+        ``fused`` says (the fused kernel never forms them).
         Returns (B, T, d_out), or (output, weights) when need_weights.
         """
-        if need_weights and self.fused:
-            raise ValueError("need_weights=True needs fused=False: the fused kernel never forms the weights")
-        if input_pos is not None and kv_cache is None:
-            raise ValueError("input_pos needs a kv_cache: it says where in the cache x is written")
         batch_size, seq_len, _ = x.shape
         q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)  # (B, T, nh*hs), (B, T, n_kv*hs) x2
         q = q.view(batch_size, seq_len, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -256,14 +217,14 @@ class MultiHeadAttention(nn.Module):
             # Rotating before caching: a cached key keeps the angle of the position it was made at.
             q = rope(q, start_pos, positions=input_pos)
             k = rope(k, start_pos, positions=input_pos)
-        mask = None
-        if input_pos is not None:
+        mask = None  # no cache: queries and keys are x's own tokens, plain causal attention
+        if kv_cache is not None:
+            if input_pos is None:
+                input_pos = torch.arange(start_pos, start_pos + seq_len, device=x.device)  # (T,)
             k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs) with S = the cache's max_seq_len
             mask = positions_mask(input_pos, k.size(-2))  # (T, S)
-        elif kv_cache is not None:
-            k, v = kv_cache.update(k, v, start_pos)  # (B, n_kv, S, hs) with S = start_pos + T
         dropout_p = self.dropout if self.training else 0.0
-        if self.fused:
+        if self.fused and not need_weights:
             context = fused_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs)
         else:
             context, weights = explicit_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs), (B, nh, T, S)

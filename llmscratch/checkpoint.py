@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from llmscratch.atomic import write_atomically
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.model import GPT, GPTConfig, unwrap
 from llmscratch.tokenizer import BPETokenizer
 
 CHECKPOINT_FORMAT = "llmscratch-checkpoint"
@@ -46,17 +46,6 @@ CHECKSUM_KEY = "llmscratch_sha256"
 _DAMAGED = "the file was changed after it was written (disk or copy error)"
 # Prefixes that wrappers add to parameter names: torch.compile and DistributedDataParallel.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DistributedDataParallel and/or torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,11 +17,10 @@ from torch import nn
 
 from llmscratch.assets import SMS_SPAM_PATH
 from llmscratch.checkpoint import config_from_dict, load_checkpoint, load_model_state, save_checkpoint
-from llmscratch.data import read_text_file
+from llmscratch.corpus import read_text_file
 from llmscratch.device import autocast
-from llmscratch.evaluation import evaluating
 from llmscratch.lora import lora_layers
-from llmscratch.model import GPT
+from llmscratch.model import GPT, evaluating
 from llmscratch.tokenizer import BPETokenizer
 
 SPAM_LABELS = ("ham", "spam")  # class 0, class 1 (the positive class)

@@ -15,10 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from llmscratch.assets import PRETRAINED_PATH
-from llmscratch.config import ConfigError, FinetuneConfig, types_of
-from llmscratch.data import input_problem
+from llmscratch.config import ConfigError, FinetuneConfig, LoRAConfig, types_of
+from llmscratch.corpus import input_problem
 from llmscratch.device import resolve_device
-from llmscratch.lora import LoRAConfig
 from llmscratch.optim import TrainingDiverged
 from llmscratch.runfolder import FolderInUse, claim, file_problem, folder_problem, present, same_folder
 
@@ -54,8 +53,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser, defaults, *names: str) -> list[argparse.Action]:
-    """A flag for each named field of the config ``defaults``, whose values are the flags' defaults; returns them."""
+def add_flags(parser, defaults, *names: str, prefix: str = "") -> list[argparse.Action]:
+    """A flag for each named field of the config ``defaults``, whose values are the flags' defaults; returns them.
+
+    ``prefix`` goes before each name: "lora_" makes LoRAConfig's rank --lora-rank.
+    """
     declared = {f.name: f for f in dataclasses.fields(defaults)}
     actions = []
     for name in names:
@@ -66,7 +68,7 @@ def add_flags(parser, defaults, *names: str) -> list[argparse.Action]:
             options["action"] = "store_true"
         else:
             options.update(type=finite_float if kind is float else kind, choices=declaration.metadata["choices"])
-        actions.append(parser.add_argument(flag(name), **options))
+        actions.append(parser.add_argument(flag(prefix + name), **options))
     return actions
 
 
@@ -192,9 +194,7 @@ def add_lora_flags(parser: argparse.ArgumentParser, defaults: FinetuneConfig, lo
     trainable.default = trainable.default.encode().decode()
     either.add_argument("--lora", action="store_true", help=lora_help)
     add_flags(parser, defaults, "last_k")
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora.rank, help="rank of the LoRA matrices")
-    parser.add_argument("--lora-alpha", type=finite_float, default=defaults.lora.alpha,
-                        help="LoRA scale: the update is multiplied by alpha / rank")
+    add_flags(parser, defaults.lora, "rank", "alpha", prefix="lora_")
 
 
 def check_finetune_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -218,6 +218,9 @@ def check_finetune_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
 def finetune_config(args: argparse.Namespace, config_class: type[FinetuneConfig] = FinetuneConfig) -> FinetuneConfig:
     """The FinetuneConfig (or subclass, e.g. DPOConfig) the shared flags describe: --lora is trainable lora,
     --test-mode one epoch."""
-    lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha)  # args.lora is only the switch
+    try:
+        lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha)  # args.lora is only the switch
+    except ConfigError as err:  # "LoRA rank must be ...": refuse() would name the field's flag --rank
+        raise ValueError(f"LoRA {err}") from None
     config = build_config(config_class, args, lora=lora, trainable="lora" if args.lora else args.trainable)
     return dataclasses.replace(config, epochs=1) if args.test_mode else config  # a new config, checked again

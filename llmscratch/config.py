@@ -6,6 +6,7 @@ and ``llmscratch.cli`` turns the same fields into the scripts' flags.
 """
 
 import math
+import numbers
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -14,9 +15,8 @@ from typing import Any
 import torch
 
 from llmscratch.device import DTYPES
-from llmscratch.lora import LoRAConfig
 
-__all__ = ["ConfigError", "DPOConfig", "FinetuneConfig", "PARALLEL", "TRAINABLE", "TrainConfig", "setting"]
+__all__ = ["ConfigError", "DPOConfig", "FinetuneConfig", "LoRAConfig", "PARALLEL", "TRAINABLE", "TrainConfig", "setting"]
 
 # How several processes share the model (llmscratch.parallel).
 PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")
@@ -40,7 +40,7 @@ def setting(default: Any, help: str, check: Check | None = None, choices: Sequen
 
 
 def positive_int(value) -> str | None:
-    return None if isinstance(value, int) and value >= 1 else "must be a positive integer"
+    return None if value >= 1 else "must be a positive integer"
 
 
 def positive(value) -> str | None:
@@ -55,6 +55,10 @@ def fraction(value) -> str | None:
     return None if 0 <= value <= 1 else "must be in [0, 1]"
 
 
+def below_one(value) -> str | None:
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
 def check_fields(config) -> None:
     """ConfigError for the first field its declaration refuses; None passes where the type allows it."""
     for f in fields(config):
@@ -64,12 +68,23 @@ def check_fields(config) -> None:
         choices, check = f.metadata["choices"], f.metadata["check"]
         if choices is not None:
             problem = None if value in choices else f"must be one of {list(choices)}"
-        elif float in types_of(f.type) and not math.isfinite(value):  # inf and NaN, said plainly
-            problem = "must be a finite number"
         else:
-            problem = check(value) if check else None
+            problem = kind_problem(f.type, value) or (check(value) if check else None)
         if problem:
             raise ConfigError(f.name, problem, value)
+
+
+def kind_problem(annotation, value) -> str | None:
+    """What is wrong with the kind of value for a field declared bool, int or float (bool is no number here)."""
+    kinds = types_of(annotation)
+    if bool in kinds:
+        return None if isinstance(value, bool) else "must be True or False"
+    if int in kinds:
+        return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "must be an integer"
+    if float in kinds:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            return "must be a finite number"  # inf and NaN, said plainly
+    return None
 
 
 def types_of(annotation) -> tuple:
@@ -100,8 +115,7 @@ class TrainConfig:
     optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' weight "
                                       "matrices and AdamW for embeddings, head and gains, at the same lr",
                              choices=OPTIMIZERS)
-    muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)",
-                                   lambda value: None if 0 <= value < 1 else "must be in [0, 1)")
+    muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)", below_one)
     beta1: float = 0.9  # AdamW's betas, checked as a pair below
     beta2: float = 0.95
     grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 turns it off", non_negative)
@@ -161,6 +175,27 @@ class TrainConfig:
         return DTYPES[self.dtype]
 
 
+# Every linear layer inside the blocks: attention (qkv, out_proj) and the MLP (GPT-2's fc, proj;
+# Llama's gate, up, down). The output head is left out: it is often tied to the embedding.
+DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.out_proj", "*.mlp.*")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Rank and scale of the adapters, and which linear layers get one (glob patterns on names)."""
+
+    rank: int = setting(8, "rank of the LoRA matrices", positive_int)
+    alpha: float = setting(16.0, "LoRA scale: the update is multiplied by alpha / rank", positive)
+    dropout: float = setting(0.0, "dropout on the input of the LoRA update", below_one)
+    targets: tuple[str, ...] = setting(DEFAULT_TARGETS, "glob patterns of the linear layers that get adapters",
+                                       lambda value: None if value and not isinstance(value, str) else
+                                       "must be a non-empty tuple of name patterns")
+
+    def __post_init__(self):
+        check_fields(self)
+        object.__setattr__(self, "targets", tuple(self.targets))  # a list given is kept as a tuple
+
+
 TRAINABLE = ("head", "last-k", "all", "lora")
 
 
@@ -172,8 +207,7 @@ class FinetuneConfig:
     batch_size: int = setting(8, "examples per optimizer step", positive_int)
     lr: float = setting(1e-4, "peak learning rate (warmup, then cosine decay)", positive)
     min_lr_ratio: float = setting(0.1, "end of the cosine decay, as a fraction of lr", fraction)
-    warmup_fraction: float = setting(0.1, "share of all steps spent warming up",
-                                     lambda value: None if 0 <= value < 1 else "must be in [0, 1)")
+    warmup_fraction: float = setting(0.1, "share of all steps spent warming up", below_one)
     weight_decay: float = setting(0.1, "AdamW weight decay on weight matrices", non_negative)
     grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 turns it off", non_negative)
     dtype: str = setting("float32", "autocast precision (bfloat16 on recent GPUs); weights stay float32",

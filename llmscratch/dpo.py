@@ -11,10 +11,10 @@ import torch
 
 from llmscratch.config import DPOConfig
 from llmscratch.device import autocast
-from llmscratch.evaluation import evaluating
 from llmscratch.finetune import end_of_text_id, fit
 from llmscratch.instruct import lm_loss, read_json_records, split_records
 from llmscratch.interrupt import StopRequest
+from llmscratch.model import evaluating
 from llmscratch.preference import (
     DPOLoss,
     PreferenceBatch,

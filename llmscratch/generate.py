@@ -16,20 +16,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llmscratch.attention import KVCache
-from llmscratch.evaluation import evaluating
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.model import GPT, GPTConfig, evaluating
 
 
 # --------------------------------------------------------------------------- sampling
+# These steps run once per token and check nothing: ``stream`` checks the sampling settings once,
+# when a generation starts (``check_sampling``), and each step trusts them.
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Logits (..., V) with all but the k largest of each row set to -inf (ties with the k-th kept)."""
-    if k < 1:
-        raise ValueError(f"top_k must be at least 1, got {k}")
-    return _keep_top_k(logits, k)
-
-
-def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """``top_k_filter`` for a k already checked (the decoding loop checks it once, not per token)."""
+    """Logits (..., V) with all but the k >= 1 largest of each row set to -inf (ties with the k-th kept)."""
     k = min(k, logits.size(-1))
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
     return logits.masked_fill(logits < kth_largest, float("-inf"))  # (..., V)
@@ -38,15 +32,8 @@ def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep, in each row of logits (..., V), the smallest set of most likely tokens whose probability reaches p.
 
-    The most likely token is always kept; tokens of equal probability are ranked by id.
+    p is in (0, 1]. The most likely token is always kept; tokens of equal probability are ranked by id.
     """
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {p}")
-    return _keep_top_p(logits, p)
-
-
-def _keep_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """``top_p_filter`` for a p already checked."""
     if p == 1.0:  # all tokens: the float cumulative sum may reach 1.0 before the last one
         return logits
     probs = torch.softmax(logits.float(), dim=-1)  # (..., V)
@@ -59,7 +46,8 @@ def _keep_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError naming the setting unless temperature >= 0, top_k >= 1 and 0 < top_p <= 1 (or None)."""
     if not temperature >= 0.0:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -80,14 +68,8 @@ def sample_next_token(
     Sampling divides the logits by the temperature, keeps the top_k, then the top_p nucleus,
     and draws from the softmax of what is left. A temperature so small that the division
     overflows samples among the largest logits only: the limit as the temperature goes to 0.
+    The settings are those ``check_sampling`` accepts.
     """
-    _check_sampling(temperature, top_k, top_p)
-    return _sample(logits, temperature, top_k, top_p, generator)
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-            generator: torch.Generator | None) -> torch.Tensor:
-    """``sample_next_token`` without its checks, for the decoding loop that made them once."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)  # (B,)
     # < 1 sharpens the distribution, > 1 flattens it. Shifted so that the largest logit is 0, in
@@ -96,9 +78,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
     shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)  # (B, V), all <= 0
     logits = (shifted / temperature).float()  # (B, V)
     if top_k is not None:
-        logits = _keep_top_k(logits, top_k)
+        logits = top_k_filter(logits, top_k)
     if top_p is not None:
-        logits = _keep_top_p(logits, top_p)
+        logits = top_p_filter(logits, top_p)
     # Sample from probabilities: multinomial treats its input as unnormalised weights, so
     # log-probabilities (negative numbers) would be a silent, wrong distribution.
     probs = torch.softmax(logits, dim=-1)  # (B, V)
@@ -138,13 +120,13 @@ def stream(
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
-    _check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     idx = _check_prompt(model, idx)
     pad_id = eos_id if pad_id is None else pad_id
     _check_request(model.config, max_new_tokens, eos_id, pad_id, vocab_size)
 
     def choose(logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
-        return _sample(logits[:, :vocab_size], temperature, top_k, top_p, generator)
+        return sample_next_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)
 
     step = compiled_decode_one_token() if compile else decode_one_token
     return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
@@ -181,7 +163,7 @@ def prefill(model: GPT, idx: torch.Tensor, kv_caches: list[KVCache]) -> torch.Te
     """Run the prompts idx (B, T) through the model once, filling the caches' first T positions.
 
     Returns the next-token logits (B, V) of the last position. The prompt's length varies from
-    call to call, so this step is left to the eager kernels (a causal mask over the prompt alone).
+    call to call, so this step is left to the eager kernels.
     """
     return model(idx, kv_caches)[:, -1]  # (B, V): only the last position predicts a new token
 
@@ -210,15 +192,15 @@ def compiled_decode_one_token() -> Callable[..., torch.Tensor]:
 
 @torch.inference_mode()  # on a generator function, torch enters the mode around each step only
 def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
-    with evaluating(model):  # dropout off
+    """The decoding loop of ``stream``, on arguments it checked; choose(logits (B, V)) picks the ids (B,).
+
+    step: ``decode_one_token`` or its compiled version. The model is in eval mode (dropout off) throughout.
+    """
+    with evaluating(model):
         yield from _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
 
 
 def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
-    """The decoding loop of ``stream``, without its checks; choose(logits (B, V)) picks the ids (B,).
-
-    step: ``decode_one_token`` or its compiled version.
-    """
     if max_new_tokens == 0:
         return
     batch_size, prompt_len = idx.shape

@@ -6,6 +6,7 @@ it answers until it emits that token. Answers are scored without an external jud
 match per task family, the share of well-formed answers, and the loss on held-out answers.
 """
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,17 +15,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmscratch.data import read_text_file
+from llmscratch.corpus import parse_json_lines, read_text_file
 from llmscratch.device import autocast
-from llmscratch.evaluation import evaluating, exact_match
-from llmscratch.evaluation import normalize_answer as normalize  # noqa: F401  (re-exported: the ch05 name)
 from llmscratch.generate import generate
 from llmscratch.losses import IGNORE_INDEX
+from llmscratch.metrics import exact_match
+from llmscratch.model import evaluating
 from llmscratch.progress import progress_bar
+from llmscratch.weights import load_model_and_tokenizer
 
 HEADER = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 FIELDS = ("instruction", "input", "output")
 TEMPLATE_MARKERS = ("###", HEADER[:24])  # text of the template that has no place in an answer
+MAX_NEW_TOKENS = 24  # per answer where a model is scored (ch05-finetuning/finetune_instructions.py's default)
 
 
 # --------------------------------------------------------------------------- records
@@ -254,14 +257,7 @@ def read_json_records(path: Path) -> list:
         lines = [line for line in text.splitlines() if line.strip()]
         if len(lines) < 2 or not lines[0].lstrip().startswith("{"):
             raise ValueError(f"{path} is not a JSON file: {err}") from None
-        records = []
-        for number, line in enumerate(text.splitlines(), start=1):  # JSON Lines
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as line_err:
-                    raise ValueError(f"{path}, line {number}: not JSON ({line_err}); expected a JSON list of "
-                                     f"records, or one JSON record per line") from None
+        records = parse_json_lines(text, path, "a JSON list of records, or one JSON record per line")
     if not isinstance(records, list):
         raise ValueError(f"{path} holds a JSON {type(records).__name__}, expected a list of records (or one record "
                          f"per line)")
@@ -317,6 +313,19 @@ def answers_jsonl(records: Sequence[dict], answers: dict[str, Sequence[Response]
                f"{last}_well_formed": answers[last][i].well_formed}
         lines.append(json.dumps(row, ensure_ascii=False) + "\n")
     return "".join(lines)
+
+
+def model_answers(path: Path, records: Sequence[dict], command: str, progress: bool = False) -> dict:
+    """The greedy answers of the model file ``path`` to every record's prompt, with which model gave them (its
+    sha256) and the ``command`` that asked: the content of chapter 6's answers file (``assets.dumps_answers``)."""
+    model, tokenizer = load_model_and_tokenizer(path)
+    responses = respond(model.eval(), tokenizer, records, MAX_NEW_TOKENS, progress=progress)
+    answers = [{"instruction": r["instruction"], "input": r["input"], "split": r["split"], "answer": a.text,
+                "well_formed": a.well_formed} for r, a in zip(records, responses)]
+    sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    model_info = {"path": str(path), "sha256": sha256, "command": command, "max_new_tokens": MAX_NEW_TOKENS,
+                  "decoding": "greedy, float32"}
+    return {"model": model_info, "answers": answers}
 
 
 def comparison_table(results: dict[str, dict]) -> str:

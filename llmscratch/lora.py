@@ -14,39 +14,15 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from llmscratch.checkpoint import check_weights, read_safetensors, write_safetensors
+from llmscratch.config import LoRAConfig
 
-# Every linear layer inside the blocks: attention (qkv, out_proj) and the MLP (GPT-2's fc, proj;
-# Llama's gate, up, down). The output head is left out: it is often tied to the embedding.
-DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.out_proj", "*.mlp.*")
 _FORMAT = "llmscratch-lora"
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """Rank and scale of the adapters, and which linear layers get one (glob patterns on names)."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-
-    def __post_init__(self):
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        if isinstance(self.targets, str) or not self.targets:
-            raise ValueError(f"targets must be a non-empty tuple of name patterns, got {self.targets!r}")
-        object.__setattr__(self, "targets", tuple(self.targets))
 
 
 class LoRALinear(nn.Module):

@@ -5,17 +5,18 @@ embeddings. Llama-style: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no 
 Both are a stack of pre-norm blocks: ``x = x + attention(norm(x)); x = x + mlp(norm(x))``.
 """
 
+import contextlib
 import dataclasses
 import math
-import numbers
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmscratch.attention import KVCache, MultiHeadAttention, check_heads
+from llmscratch.config import check_fields, positive, positive_int, setting
 from llmscratch.losses import head_cross_entropy
 from llmscratch.norm import RMSNorm
 from llmscratch.rope import RotaryEmbedding
@@ -23,31 +24,38 @@ from llmscratch.rope import RotaryEmbedding
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Every size and design choice of a GPT; invalid combinations raise ValueError."""
+    """Every size and design choice of a GPT; each field is checked when the config is made (``setting``)."""
 
-    vocab_size: int = 50257
-    context_length: int = 1024
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    n_kv_heads: int | None = None  # None: as many as n_heads (multi-head attention)
-    d_ff: int | None = None  # MLP hidden size; None: 4 * d_model
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: GELU's shape with max(0, x)^2
-    position: Literal["learned", "rope"] = "learned"
-    rope_theta: float = 10_000.0
-    qkv_bias: bool = True  # bias on the query/key/value projection
-    bias: bool = True  # bias on every other linear layer and on LayerNorm
-    tie_embeddings: bool = True  # the output head reuses the token embedding matrix
-    qk_norm: bool = False  # RMS-normalise each head's queries and keys (learned gains) before RoPE
-    zero_init_residual: bool = False  # attention's out_proj and the MLP's last layer start at zero
-    norm_eps: float = 1e-5
-    dropout: float = 0.0
-    fused_attention: bool = True  # scaled_dot_product_attention; False: the explicit math
+    vocab_size: int = setting(50257, "token ids the model knows", positive_int)
+    context_length: int = setting(1024, "the most positions one sequence may hold", positive_int)
+    d_model: int = setting(768, "width of the residual stream", positive_int)
+    n_layers: int = setting(12, "transformer blocks", positive_int)
+    n_heads: int = setting(12, "query heads per attention layer", positive_int)
+    n_kv_heads: int | None = setting(None, "key/value heads; None: as many as n_heads (multi-head attention)",
+                                     positive_int)
+    d_ff: int | None = setting(None, "MLP hidden size; None: 4 * d_model", positive_int)
+    norm: str = setting("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
+    mlp: str = setting("gelu", "feed-forward layer; relu2: GELU's shape with max(0, x)^2",
+                       choices=("gelu", "swiglu", "relu2"))
+    position: str = setting("learned", "learned position embeddings or rotary ones (RoPE)",
+                            choices=("learned", "rope"))
+    rope_theta: float = setting(10_000.0, "RoPE's base: the slowest pair turns once every ~2 pi theta positions",
+                                positive)
+    qkv_bias: bool = setting(True, "bias on the query/key/value projection")
+    bias: bool = setting(True, "bias on every other linear layer and on LayerNorm")
+    tie_embeddings: bool = setting(True, "the output head reuses the token embedding matrix")
+    qk_norm: bool = setting(False, "RMS-normalise each head's queries and keys (learned gains) before RoPE")
+    zero_init_residual: bool = setting(False, "attention's out_proj and the MLP's last layer start at zero")
+    norm_eps: float = setting(1e-5, "epsilon of the norms", positive)
+    dropout: float = setting(0.0, "dropout on embeddings, attention weights and residual branches",
+                             lambda value: None if 0 <= value < 1 else "must be in [0, 1)")
+    fused_attention: bool = setting(True, "scaled_dot_product_attention; False: the explicit math")
 
     def __post_init__(self):
-        _check_types(self)  # the checks are at the end of this file: the model comes first
-        _check_values(self)
+        check_fields(self)  # each field on its own: kind, range, choices
+        check_heads(self.d_model, self.n_heads, self.kv_heads, width_name="d_model")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -204,23 +212,20 @@ class GPT(nn.Module):
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ids ``idx`` (B, T) sitting at positions start_pos..start_pos+T-1.
 
-        With ``kv_caches`` (one per block, see ``make_kv_caches``) the ids are appended to the
-        cached sequence, so decoding feeds one new token at a time. ``input_pos`` (T,), a tensor
-        of positions below the caches' length, replaces start_pos: the ids are written there and
-        attend to the whole caches, masked (shapes that stay fixed for ``torch.compile``).
+        ``input_pos`` (T,), the positions as a tensor, replaces start_pos (a compiled decoding step
+        passes it, so that a new position is new data, not a new graph). With ``kv_caches`` (one per
+        block, see ``make_kv_caches``) the ids' keys and values are written at their positions and
+        attend to everything cached before them, so decoding feeds one new token at a time; the
+        caller keeps the positions below the caches' length.
         With ``targets`` (B, T) of next-token ids (-100: skip), returns instead their mean
         cross-entropy, the same number as ``F.cross_entropy(logits.float().flatten(0, 1),
         targets.flatten())`` but computed chunk by chunk through whatever ``lm_head`` is
         (``llmscratch.losses.head_cross_entropy``): the (B, T, V) logits, the largest tensor of a
         training step, are never stored.
+        Nothing is checked on the way, at every decoding step: an id outside the vocabulary or a
+        position past the context is named when its lookup fails, at no cost to the calls that work.
         """
-        self._check_call(idx, kv_caches, start_pos, input_pos, targets)
-        x = self._embed_tokens(idx)  # (B, T, d)
-        if self.position_embedding is not None:
-            positions = input_pos
-            if positions is None:
-                positions = torch.arange(start_pos, start_pos + idx.size(1), device=idx.device)  # (T,)
-            x = x + self.position_embedding(positions)  # (B, T, d)
+        x = self._embed(idx, start_pos, input_pos)  # (B, T, d)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos, input_pos=input_pos)
@@ -229,31 +234,27 @@ class GPT(nn.Module):
             return head_cross_entropy(x.flatten(0, 1), self.lm_head, targets.flatten())  # ()
         return self.lm_head(x)  # (B, T, vocab_size)
 
-    def _check_call(self, idx, kv_caches, start_pos, input_pos, targets) -> None:
-        """ValueError naming the argument of ``forward`` that does not fit this model."""
+    def _embed(self, idx: torch.Tensor, start_pos: int, input_pos: torch.Tensor | None) -> torch.Tensor:
+        """Token (and learned position) embeddings of ``idx`` (B, T); a lookup that fails is a ValueError naming why."""
         seq_len = idx.size(1)
-        if start_pos + seq_len > self.config.context_length:
-            raise ValueError(
-                f"positions {start_pos}..{start_pos + seq_len - 1} exceed the model's "
-                f"context_length={self.config.context_length}"
-            )
-        if kv_caches is not None and len(kv_caches) != len(self.blocks):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.blocks)} blocks")
-        if input_pos is not None and (kv_caches is None or input_pos.shape != (seq_len,)):
-            raise ValueError(f"input_pos needs kv_caches and one position per id ({seq_len}); "
-                             f"got shape {tuple(input_pos.shape)}, kv_caches={'none' if kv_caches is None else 'given'}")
-        if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
-
-    def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
-        """The token embeddings of ``idx``; an id outside the vocabulary is a ValueError naming it."""
-        try:  # checked only when the lookup fails: nothing is spent on good ids (CUDA asserts on its device)
-            return self.token_embedding(idx)  # (B, T, d)
+        try:  # diagnosed only when a lookup fails: nothing is spent on good ids (CUDA asserts on its device)
+            x = self.token_embedding(idx)  # (B, T, d)
+            if self.position_embedding is not None:
+                positions = input_pos
+                if positions is None:
+                    positions = torch.arange(start_pos, start_pos + seq_len, device=idx.device)  # (T,)
+                x = x + self.position_embedding(positions)  # (B, T, d)
+            return x
         except IndexError:
             bad = idx[(idx < 0) | (idx >= self.config.vocab_size)]
-            raise ValueError(f"token id {bad[0].item() if bad.numel() else '?'} is outside the model's vocabulary "
-                             f"of {self.config.vocab_size} ids (0..{self.config.vocab_size - 1}); were the "
-                             f"ids made by another tokenizer?") from None
+            if bad.numel():
+                raise ValueError(f"token id {bad[0].item()} is outside the model's vocabulary of "
+                                 f"{self.config.vocab_size} ids (0..{self.config.vocab_size - 1}); were the ids "
+                                 f"made by another tokenizer?") from None
+            first, last = (start_pos, start_pos + seq_len - 1) if input_pos is None else (
+                input_pos.min().item(), input_pos.max().item())
+            raise ValueError(f"positions {first}..{last} exceed the model's "
+                             f"context_length={self.config.context_length}") from None
 
     def make_kv_caches(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:
         """One empty cache per block, on this model's device and in its dtype.
@@ -303,37 +304,23 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)  # a tied weight once
 
 
-# --------------------------------------------------------------------------- config checks
-def _check_types(config: GPTConfig) -> None:
-    """ValueError naming the first field that is not of its kind: an integer, a finite number, a bool."""
-    for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
-        value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    for name in ("rope_theta", "norm_eps", "dropout"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
-    for name in ("qkv_bias", "bias", "tie_embeddings", "qk_norm", "zero_init_residual", "fused_attention"):
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DistributedDataParallel and/or torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
 
 
-def _check_values(config: GPTConfig) -> None:
-    """ValueError naming a size that cannot make a model, an unknown design choice or a number out of range."""
-    for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)}")
-    choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu", "relu2"), "position": ("learned", "rope")}
-    for name, allowed in choices.items():
-        if getattr(config, name) not in allowed:
-            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {allowed}")
-    check_heads(config.d_model, config.n_heads, config.kv_heads, width_name="d_model")
-    if config.position == "rope" and config.head_dim % 2:
-        raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {config.head_dim}")
-    if config.hidden_dim < 1:
-        raise ValueError(f"d_ff must be a positive integer, got {config.d_ff}")
-    if not 0.0 <= config.dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
-    if config.rope_theta <= 0 or config.norm_eps <= 0:
-        raise ValueError(f"rope_theta and norm_eps must be positive, got {config.rope_theta}, {config.norm_eps}")
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode (dropout off) inside the block, then in the mode it had, even after an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

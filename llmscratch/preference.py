@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscratch.device import autocast
-from llmscratch.evaluation import evaluating
 from llmscratch.instruct import collate, encode_records, validate_records
 from llmscratch.lora import adapters_disabled, lora_layers
 from llmscratch.losses import IGNORE_INDEX
+from llmscratch.model import evaluating
 
 RESPONSES = ("chosen", "rejected")
 Pair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen response ids, rejected response ids

@@ -19,7 +19,8 @@ from llmscratch import distributed
 from llmscratch.atomic import remove_stale_temporaries, write_text_atomically
 from llmscratch.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.cli import build_config
-from llmscratch.data import load_token_meta, load_token_split, read_text_file, split_text
+from llmscratch.corpus import load_token_meta, load_token_split, read_text_file
+from llmscratch.data import split_text
 from llmscratch.device import DTYPES, choose_dtype
 from llmscratch.interrupt import exit_status, stop_on_signals
 from llmscratch.model import GPT, GPTConfig
@@ -176,7 +177,7 @@ def check_lengths(n_train: int, n_val: int, context_length: int, unit: str = "to
         if count < context_length + 1:
             if folder is not None:
                 fix = (f"make {folder} again from more text (or another val_fraction) with "
-                       f"llmscratch.data.prepare_token_files, or use a smaller --context-length")
+                       f"llmscratch.corpus.prepare_token_files, or use a smaller --context-length")
             else:
                 other = "smaller" if name == "training" else "larger"
                 fix = (f"use more text, a smaller --context-length, or a {other} --val-fraction "

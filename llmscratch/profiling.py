@@ -2,12 +2,15 @@
 
 import contextlib
 import os
+import re
+import statistics
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from llmscratch.device import resolve_device
+from llmscratch.flops import cpu_model
 
 
 def time_once(fn: Callable[[], object], device: str | torch.device | None = None) -> float:
@@ -39,6 +42,63 @@ def round_robin(candidates: dict[str, Callable[[], float]], rounds: int,
         for name, measure in candidates.items():
             results[name].append(measure())
     return results
+
+
+def time_steps(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+               device: str | torch.device | None = None) -> dict[str, tuple[float, float]]:
+    """Each step's (seconds of its first call, compilation included; median seconds of ``rounds`` later calls).
+
+    Each step runs ``warmup`` times first, the first of them timed; the timed rounds go round robin.
+    """
+    first = {}
+    for name, step in steps.items():
+        first[name] = time_once(step, device)
+        for _ in range(warmup - 1):
+            step()
+    timings = round_robin({name: lambda step=step: time_once(step, device) for name, step in steps.items()}, rounds)
+    return {name: (first[name], statistics.median(timings[name])) for name in steps}
+
+
+def backward_step(module: torch.nn.Module, inputs: tuple, grad_out: torch.Tensor) -> Callable[[], None]:
+    """One training-like step of ``module(*inputs)``: forward, backward of ``grad_out``, then the gradients
+    dropped (the module's and the inputs'), so that every step starts alike."""
+
+    def step():
+        module(*inputs).backward(grad_out)
+        module.zero_grad(set_to_none=True)
+        for tensor in inputs:
+            if isinstance(tensor, torch.Tensor):
+                tensor.grad = None
+
+    return step
+
+
+def device_description(device: str | torch.device) -> str:
+    """torch's version and the device: the GPU's name, or the CPU's model and torch's threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{cpu_model()}, {torch.get_num_threads()} threads"
+    return f"torch {torch.__version__} on {device.type} ({where})"
+
+
+def failed_allocation(error: BaseException) -> str | None:
+    """None unless ``error`` is a failed allocation (CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError);
+    then the size it asked for as its message writes it ("1024 bytes", "2.00 GiB"), or "" if it names none."""
+    if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+        return None
+    asked = re.search(r"allocate (\d+ bytes|[\d.]+ [KMGT]iB)", str(error))
+    return asked[1] if asked else ""
+
+
+def sdpa_kernels(fn: Callable[[], object]) -> list[str]:
+    """The names of the kernels scaled_dot_product_attention dispatched to during one call of ``fn`` (no grad)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")})
 
 
 @contextlib.contextmanager

@@ -6,11 +6,14 @@ classification head), exact match per instruction family and ROUGE-L of the free
 the instruction test split, and accuracy on two multiple-choice sets (instruction answers, and
 the Moby-Dick cloze: which sentence comes next). A score is {"value", "interval", "n"}; a
 benchmark that does not apply to a model (spam for a language model, text for a classifier) is
-None, shown as "-". Accuracies carry a 95% Wilson interval.
+None, shown as "-". Accuracies carry a 95% Wilson interval. ``score_model`` scores one model
+file on ``load_benchmarks``'s data; ``write_report`` writes the results down.
 """
 
 import contextlib
+import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,22 +22,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmscratch.assets import read_moby_dick
+from llmscratch.assets import read_instructions, read_moby_dick
 from llmscratch.atomic import write_json_atomically, write_text_atomically
-from llmscratch.classify import Classifier, evaluate_classifier, make_batches
+from llmscratch.checkpoint import load_checkpoint
+from llmscratch.classify import Classifier, evaluate_classifier, make_batches, spam_splits
+from llmscratch.config import FinetuneConfig
 from llmscratch.data import split_text
-from llmscratch.evaluation import (
-    evaluate,
-    mean_rouge_l,
-    multiple_choice_accuracy,
-    token_byte_lengths,
-    wilson_interval,
-)
-from llmscratch.instruct import evaluate_responses, respond
+from llmscratch.evaluation import evaluate, token_byte_lengths
+from llmscratch.instruct import MAX_NEW_TOKENS, evaluate_responses, read_json_records, respond
+from llmscratch.metrics import check_choice_items, mean_rouge_l, multiple_choice_accuracy, wilson_interval
 from llmscratch.progress import progress_bar
+from llmscratch.weights import load_model_and_tokenizer
 
 VAL_FRACTION = 0.1  # the held-out share of ch04-pretraining/pretrain.py's default run
-MAX_NEW_TOKENS = 24  # per answer, as ch05-finetuning/finetune_instructions.py scores
+TEST_MODE_ITEMS = 8  # per benchmark in a smoke test (evaluate.py --test-mode), and 2 windows of held-out text
 # The rows of the table: metric key, label. "exact_match/<family>" rows go after "exact_match".
 ROWS = [("bits_per_byte", "Moby-Dick bits per byte (held-out tenth; lower is better)"),
         ("spam_accuracy", "spam accuracy"), ("spam_f1", "spam F1"),
@@ -76,6 +77,31 @@ class Benchmarks:
     instructions: list[dict] = field(default_factory=list)  # instruction records (the test split)
     choices: list[dict] = field(default_factory=list)  # {"context", "choices", "answer"} items
     cloze: list[dict] = field(default_factory=list)
+
+
+def read_choice_items(path: Path) -> list[dict]:
+    """The multiple-choice items of a JSON list (checked), or [] (with a note) when the bundled file is not there."""
+    if not path.is_file():
+        print(f"note: {path} is not there; its benchmark is skipped")
+        return []
+    items = read_json_records(path)
+    try:
+        check_choice_items(items)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return items
+
+
+def load_benchmarks(choices: list[dict], cloze: list[dict], limit: int | None = None,
+                    max_windows: int | None = None) -> Benchmarks:
+    """The bundled held-out text and instruction test split, with ``choices`` and ``cloze``: the first ``limit``
+    items of each (None: all), and ``max_windows`` windows of the text."""
+    tests = [r for r in read_instructions() if r["split"] == "test"]
+    if limit is not None:  # every family keeps some: the records are listed family by family
+        tests = tests[:: max(1, len(tests) // limit)][:limit]
+    cut = slice(None, limit)
+    return Benchmarks(held_out=held_out_moby_dick(), max_windows=max_windows, instructions=tests,
+                      choices=choices[cut], cloze=cloze[cut])
 
 
 def accuracy(successes: int, trials: int) -> dict:
@@ -164,6 +190,39 @@ def classifier_scores(classifier: Classifier, messages: Sequence[tuple[str, int]
     scores: dict[str, dict | None] = {key: None for key, _ in ROWS}
     scores.update(spam_accuracy=accuracy(round(result["accuracy"] * n), n), spam_f1=plain(result["f1"], n))
     return scores
+
+
+def spam_test_split(path: Path, limit: int | None) -> list[tuple[str, int]]:
+    """The test messages of the classifier ``path``'s own run: split with the seed its metrics.json records."""
+    metrics = path.parent / "metrics.json"
+    seed = FinetuneConfig().seed
+    if not metrics.is_file():
+        print(f"note: no metrics.json beside {path}: its test split is drawn with the default seed {seed}, which "
+              f"holds out other messages than its own run did if that run had another --seed")
+    else:
+        try:
+            seed = json.loads(metrics.read_text(encoding="utf-8"))["config"]["seed"]
+        except (ValueError, TypeError, KeyError) as err:  # not JSON, or not the script's metrics
+            raise ValueError(f"{metrics}, beside the classifier, should be the metrics.json its run wrote, with "
+                             f"config.seed (the seed of its test split); it is not ({type(err).__name__}: {err})"
+                             ) from None
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"{metrics}: config.seed should be an integer, got {seed!r}")
+    return spam_splits(seed=seed)["test"][:limit]
+
+
+def score_model(path: Path, benchmarks: Benchmarks, device: torch.device, limit: int | None = None,
+                progress: bool = False) -> dict:
+    """{"source", "kind", "scores", "seconds"} of the model in ``path``: a language model on ``benchmarks``, or a
+    spam classifier (a classifier.pt) on the first ``limit`` messages of its test split."""
+    start = time.perf_counter()
+    if path.suffix == ".pt" and "labels" in load_checkpoint(path):  # a classifier: spam only
+        classifier = Classifier.load(path, device)
+        kind, scores = "spam classifier", classifier_scores(classifier, spam_test_split(path, limit))
+    else:
+        model, tokenizer = load_model_and_tokenizer(path, map_location=device)
+        kind, scores = "language model", language_model_scores(model, tokenizer, benchmarks, device, progress)
+    return {"source": str(path), "kind": kind, "scores": scores, "seconds": time.perf_counter() - start}
 
 
 # --------------------------------------------------------------------------- writing it down

@@ -14,6 +14,7 @@ import torch
 
 from llmscratch.atomic import write_text_atomically
 from llmscratch.config import TrainConfig
+from llmscratch.corpus import parse_json_lines
 from llmscratch.device import autocast
 from llmscratch.generate import generate
 from llmscratch.progress import progress_bar
@@ -104,14 +105,8 @@ class RunLog:
     def records(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        # A run killed mid-write may leave a partial last line: skip it.
-        records = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
+        # A run killed mid-write may leave a partial last line: skipped.
+        return parse_json_lines(self.path.read_text(encoding="utf-8"), self.path, skip_malformed=True)
 
     def plot(self) -> Path | None:
         """loss.png: training loss per step and validation loss at each evaluation."""

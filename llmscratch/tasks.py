@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmscratch.assets import read_moby_dick
-from llmscratch.evaluation import exact_match, normalize_answer
+from llmscratch.metrics import exact_match, normalize_answer
 from llmscratch.instruct import SPLITS, format_prompt, validate_records
 from llmscratch.preference import validate_pairs
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 from torch import nn
 
 from llmscratch.exercises.__main__ import main
@@ -128,6 +129,7 @@ class ExerciseSuite:
             for name, source in answers.items():
                 assert source in sources, f"the solutions notebook's cell for {name} differs from the solutions file"
 
+    @pytest.mark.slow
     def test_the_command_line_passes_every_row_of_the_solutions_file(self):
         result = subprocess.run([sys.executable, "-m", "llmscratch.exercises", self.chapter.CHAPTER.name,
                                  str(solutions_path(self.chapter))], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -136,6 +138,7 @@ class ExerciseSuite:
         assert len(rows) == len(self.chapter.CHAPTER.exercises), result.stdout + result.stderr
         assert all(row.endswith("passed") for row in rows.values()), result.stdout
 
+    @pytest.mark.slow
     def test_the_command_line_reads_an_empty_file_as_not_done_yet(self, tmp_path, capsys):
         (tmp_path / "empty.py").write_text("")
         assert main([self.chapter.CHAPTER.name, str(tmp_path / "empty.py")]) == 0

@@ -4,8 +4,10 @@ import faulthandler
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -49,3 +51,29 @@ def run(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedPro
             raise AssertionError(f"{command[:4]}... still running after {timeout:.0f} s and was killed:\n"
                                  f"{stdout[-4000:]}\n{stderr[-4000:]}") from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def torchrun(script: Path, args: list[str], timeout: float, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``script`` under torchrun on ``nproc`` local processes of one thread each (the same float sums in every
+    run), with ``run``'s deadline: torchrun and all its workers are killed after ``timeout`` seconds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+               *args]
+    return run(command, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def start_until_lines(command: list[str], path: Path, lines: int, timeout: float, **kwargs) -> subprocess.Popen:
+    """Start ``command`` and return it once ``path`` holds ``lines`` lines (or the command has ended).
+
+    A hang is killed after ``timeout`` seconds and fails the test with its stderr; the caller ends the process.
+    Its stdout is discarded unless ``kwargs`` say otherwise (``stdout=subprocess.PIPE``).
+    """
+    process = subprocess.Popen(command, **{"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True,
+                                           **kwargs})
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and (not path.is_file() or path.read_text().count("\n") < lines):
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no {lines} lines in {path.name} after {timeout:.0f} s: "
+                                 f"{process.communicate()[1][-4000:]}")
+        time.sleep(0.05)
+    return process

@@ -101,8 +101,9 @@ def test_a_checkpoint_that_does_not_fit_names_what_differs(tmp_path, overrides, 
     other = tiny_model(**overrides)
     with pytest.raises(ValueError, match=message):
         load_model_state(other, load_checkpoint(tmp_path / "c.pt")["model"])
-    with pytest.raises(ValueError, match="the checkpoint was made for another model"):
+    with pytest.raises(ValueError) as raised:
         check_model_config(load_checkpoint(tmp_path / "c.pt")["model_config"], other.config)
+    assert all(f"{field}: model " in str(raised.value) for field in overrides), raised.value  # each field named
 
 
 def test_check_model_config_lists_each_field():

@@ -40,32 +40,35 @@ def test_build_config_takes_the_flags_and_what_the_script_worked_out():
     assert (config.max_steps, config.lr, config.min_lr) == (5, 1e-3, 1e-5)
 
 
-@pytest.mark.parametrize(("flags", "field", "flag"), [
-    (["--max-steps", "0"], "max_steps must be a positive integer, got 0",
-     "--max-steps must be a positive integer, got 0"),
-    (["--lr", "-1"], "lr must be positive, got -1.0", "--lr must be positive, got -1.0"),
-    (["--grad-clip", "-0.5"], "grad_clip must be >= 0, got -0.5", "--grad-clip must be >= 0, got -0.5"),
+@pytest.mark.parametrize(("flags", "field", "value"), [
+    (["--max-steps", "0"], "max_steps", "0"),
+    (["--lr", "-1"], "lr", "-1.0"),
+    (["--grad-clip", "-0.5"], "grad_clip", "-0.5"),
 ])
-def test_a_refused_value_is_a_parser_error_naming_the_flag(flags, field, flag, capsys):
+def test_a_refused_value_is_a_parser_error_naming_the_flag(flags, field, value, capsys):
     parser = parser_with(TrainConfig(), "max_steps", "lr", "grad_clip")
-    with pytest.raises(ConfigError, match=f"^{field}$") as raised:
+    with pytest.raises(ConfigError) as raised:
         build_config(TrainConfig, parser.parse_args(flags))
+    said = str(raised.value)
+    assert said.startswith(f"{field} ") and said.endswith(f" {value}"), said  # the field and the value given
     with pytest.raises(SystemExit) as exit_info:
         refuse(parser, raised.value)
-    assert exit_info.value.code == 2 and f"error: {flag}\n" in capsys.readouterr().err
+    # The same message, with the field named by its flag.
+    assert exit_info.value.code == 2 and f"error: {flags[0]}{said[len(field):]}\n" in capsys.readouterr().err
 
 
 def test_configs_name_the_bad_field():
-    for config_class, bad, message in [
-        (TrainConfig, {"eval_tokens": 0}, "eval_tokens must be a positive integer, got 0"),
-        (TrainConfig, {"min_lr": 0.1}, "min_lr must be at most lr=0.001, got 0.1"),
-        (TrainConfig, {"peak_tflops": float("inf")}, "peak_tflops must be a finite number, got inf"),
-        (TrainConfig, {"sample_top_k": 0}, "sample_top_k must be a positive integer, got 0"),
-        (FinetuneConfig, {"trainable": "some"},
-         "trainable must be one of ['head', 'last-k', 'all', 'lora'], got 'some'"),
-        (FinetuneConfig, {"warmup_fraction": 1.0}, "warmup_fraction must be in [0, 1), got 1.0"),
+    for config_class, bad, bound in [  # the field, the value it was given, and the bound it broke, if one
+        (TrainConfig, {"eval_tokens": 0}, ""),
+        (TrainConfig, {"min_lr": 0.1}, "lr=0.001"),
+        (TrainConfig, {"peak_tflops": float("inf")}, ""),
+        (TrainConfig, {"sample_top_k": 0}, ""),
+        (FinetuneConfig, {"trainable": "some"}, "['head', 'last-k', 'all', 'lora']"),
+        (FinetuneConfig, {"warmup_fraction": 1.0}, "[0, 1)"),
     ]:
         with pytest.raises(ConfigError) as raised:
             config_class(**bad)
-        assert str(raised.value) == message
+        (field, value), = bad.items()
+        said = str(raised.value)
+        assert said.startswith(f"{field} ") and said.endswith(f" {value!r}") and bound in said, said
     assert TrainConfig(final_eval_tokens=None, sample_top_k=None).sample_top_k is None  # None where the type allows

@@ -1,8 +1,6 @@
 """DistributedDataParallel on CPU (gloo): two processes train as one process with their joint batch (to float32 rounding)."""
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +10,10 @@ import torch.distributed as dist
 from llmscratch import distributed
 from llmscratch.checkpoint import load_checkpoint
 from llmscratch.distributed import DistInfo, resolve_device
-from processes import run, spawn
-from tiny_training import TEXT, JointBatches, losses, make_trainer, tokens
+from processes import spawn, torchrun
+from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, JointBatches, losses, make_trainer, tokens
 from tolerances import assert_adamw_runs_agree
 
-ROOT = Path(__file__).resolve().parents[1]
 # A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
 SETTINGS = dict(batch_size=2, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,
                 checkpoint_interval=3, eval_tokens=128, final_eval_tokens=400)
@@ -47,6 +44,7 @@ def train_and_resume(info: DistInfo, out_dir: str) -> dict:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path):
     spawn(ddp_worker, (2, str(tmp_path / "store"), str(tmp_path / "run")), nprocs=2, timeout=300)
     ranks = [torch.load(tmp_path / "run" / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -74,20 +72,17 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_torchrun_runs_the_pretraining_script_unchanged(tmp_path):
     """The script under torchrun with 2 CPU processes, then resumed under torchrun to more steps."""
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "ch04-pretraining" / "pretrain.py"), "--data", str(tmp_path / "text.txt"),
-               "--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--batch-size", "2",
-               "--out-dir", str(tmp_path / "run"), "--eval-tokens", "128", "--final-eval-tokens", "256",
-               "--peak-tflops", "1", "--no-progress", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = run([*command, "--max-steps", "3"], env=env, timeout=400)
+    flags = ["--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / "run"), *PRETRAIN_FLAGS, "--device",
+             "cpu"]
+    first = torchrun(PRETRAIN, [*flags, "--max-steps", "3"], timeout=400)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "2 process(es) on cpu" in first.stdout
     assert first.stdout.count("done in") == 1  # only rank 0 reports
-    second = run([*command, "--max-steps", "5", "--resume"], env=env, timeout=400)
+    second = torchrun(PRETRAIN, [*flags, "--max-steps", "5", "--resume"], timeout=400)
     assert second.returncode == 0, second.stdout + second.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["tokens_seen"] == 5 * 2 * 2 * 16

@@ -90,7 +90,7 @@ class WindowFromChunk(sol.SlidingWindowAttention):
         if rope is not None:
             q, k = rope(q, start_pos), rope(k, start_pos)
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v, start_pos)
+            k, v = kv_cache.write(k, v, torch.arange(start_pos, start_pos + x.size(1)))
         distance = torch.arange(x.size(1))[:, None] - torch.arange(k.size(-2))  # wrong once keys are cached
         mask = (distance >= 0) & (distance < self.window)
         context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -146,7 +146,7 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
      "shape (1, 4, 8)", "you let one more key in"),
     ("SlidingWindowAttention", window_plus(None), "window=1, MultiHeadAttention(d=8, n_heads=2, n_kv_heads=2), x of "
      "shape (1, 4, 8)", "the window is ignored"),
-    ("SlidingWindowAttention", WindowFromChunk, "then decode one at a time with start_pos", "kv_cache.update"),
+    ("SlidingWindowAttention", WindowFromChunk, "then decode one at a time with start_pos", "kv_cache.write"),
 ]
 
 

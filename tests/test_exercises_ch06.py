@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from exercise_suite import ExerciseSuite, solutions
 
-from llmscratch.evaluation import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
+from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
 from llmscratch.exercises import ch06
 from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, response_logprobs64,
                                                   simpo_loss64, wilson64)

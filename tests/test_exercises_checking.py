@@ -101,6 +101,7 @@ def test_every_chapter_has_at_least_six_exercises_of_each_kind_described():
     assert total >= 30
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_a_table_and_fails_on_a_wrong_answer(tmp_path):
     first = next(iter(chapter("ch01").exercises))
     answers = tmp_path / "answers.py"

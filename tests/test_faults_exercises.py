@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,48 +93,50 @@ def misbehaving(tmp_path_factory):
     return check_file(path, "--time-limit", "5")
 
 
+@pytest.mark.slow
 def test_an_endless_loop_in_an_answer_fails_that_exercise_and_the_others_are_still_checked(misbehaving):
     assert misbehaving.returncode == 1, misbehaving.stdout + misbehaving.stderr
     assert rows(misbehaving.stdout)["split_heads"] == "failed"
-    assert detail(misbehaving.stdout, "split_heads") == "  did not finish within 5 s (an endless loop?)"
+    assert "within 5 s" in detail(misbehaving.stdout, "split_heads")
     assert rows(misbehaving.stdout)["causal_mask"] == "passed"
 
 
+@pytest.mark.slow
 def test_sys_exit_0_in_an_answer_fails_it_instead_of_ending_the_checker_with_status_0(misbehaving):
     assert rows(misbehaving.stdout)["grouped_query_attention"] == "failed" and misbehaving.returncode == 1
-    assert "got:      your code called sys.exit(0)" in detail(misbehaving.stdout, "grouped_query_attention")
+    assert "sys.exit(0)" in detail(misbehaving.stdout, "grouped_query_attention")
 
 
+@pytest.mark.slow
 def test_sys_exit_with_a_message_in_an_answer_fails_it(misbehaving):
     assert rows(misbehaving.stdout)["rope_interleaved"] == "failed"
-    assert "got:      your code called sys.exit('giving up')" in detail(misbehaving.stdout, "rope_interleaved")
+    assert "sys.exit('giving up')" in detail(misbehaving.stdout, "rope_interleaved")
 
 
+@pytest.mark.slow
 def test_os_exit_in_an_answer_fails_it_and_a_fresh_process_checks_the_rest(misbehaving):
     assert rows(misbehaving.stdout)["attention_maps"] == "failed"
-    assert detail(misbehaving.stdout, "attention_maps") == ("  your answer ended the checking process "
-                                                             "(exit status 0, as os._exit(0) gives)")
+    assert "exit status 0" in detail(misbehaving.stdout, "attention_maps")
     assert [rows(misbehaving.stdout)[name] for name in ("QKNormAttention", "SlidingWindowAttention")] == [
         "not done yet", "not done yet"]  # checked by a fresh process
 
 
 def expect_unloadable(status: int, out: str, err: str, reason: str) -> None:
-    """Exit status 2, the table with every row failed, and the reason on stderr."""
+    """Exit status 2, the table with every row failed, and the reason (what it names) on stderr."""
     assert status == 2, out + err
     assert rows(out) == {name: "failed" for name in NAMES}, out
-    assert f"answers.py does not run: {reason}" in err, err
+    assert re.search(rf"answers\.py does not run: .*{re.escape(reason)}", err), err
 
 
+@pytest.mark.slow
 def test_an_endless_loop_at_import_fails_every_row_and_says_so(tmp_path):
     result = check_file(answers_file(tmp_path, "causal_mask", "while True:\n    pass"), "--time-limit", "5")
-    expect_unloadable(result.returncode, result.stdout, result.stderr,
-                      "it did not finish loading within 5 s (an endless loop at its top level?)")
+    expect_unloadable(result.returncode, result.stdout, result.stderr, "within 5 s")
 
 
 def test_os_exit_at_import_fails_every_row_and_says_so(tmp_path):
     result = check_file(answers_file(tmp_path, "causal_mask", "import os\nos._exit(0)"))
-    expect_unloadable(result.returncode, result.stdout, result.stderr,
-                      "it ended the checking process while loading (exit status 0, as os._exit(0) gives)")
+    expect_unloadable(result.returncode, result.stdout, result.stderr, "exit status 0")
 
 
 def worker_of(checker: int) -> int:
@@ -145,9 +148,10 @@ def worker_of(checker: int) -> int:
 
 
 def running(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie, dead but not yet reaped, does not count)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except OSError:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # (no such process)
         return False
 
 
@@ -159,6 +163,7 @@ def wait_until(condition, seconds: float) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker in Linux's /proc")
+@pytest.mark.slow
 def test_a_worker_stuck_in_an_answer_ends_when_the_checker_is_killed(tmp_path):
     started = tmp_path / "started"
     path = answers_file(tmp_path, f"open({str(started)!r}, 'w').close()\nwhile True:\n    pass")
@@ -197,6 +202,7 @@ def test_answers_that_patch_the_package_at_import_cannot_change_the_references(t
 
 
 @pytest.mark.parametrize("notebook, verdict", [("solutions.ipynb", "passed"), ("exercises.ipynb", "not done yet")])
+@pytest.mark.slow
 def test_the_chapters_notebook_is_an_answers_file(capfd, notebook, verdict):
     status, out, _ = check_here(capfd, ROOT / "ch02-attention" / notebook)
     assert status == 0 and out.startswith("ch02: Attention\n"), out  # its own check(...) calls neither run nor print
@@ -222,8 +228,8 @@ def test_a_notebook_that_does_not_run_names_its_cell(tmp_path):
 
 
 @pytest.mark.parametrize("given, message", [
-    ("folder", "is a folder; give the .py file or exercises notebook (.ipynb) with your answers"),
-    ("answers.txt", "answers.txt is neither a Python file (.py) nor a notebook (.ipynb)"),
+    ("folder", "folder is a folder"),
+    ("answers.txt", "answers.txt is neither"),
 ])
 def test_a_folder_or_another_kind_of_file_gets_told_what_to_give(tmp_path, capsys, given, message):
     (tmp_path / "folder").mkdir()
@@ -236,9 +242,10 @@ def test_a_folder_or_another_kind_of_file_gets_told_what_to_give(tmp_path, capsy
 def test_a_time_limit_must_be_a_positive_number_of_seconds(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         main(["ch02", str(answers_file(tmp_path)), "--time-limit", "0"])
-    assert exit.value.code == 2 and "0: a time limit is a positive, finite number of seconds" in capsys.readouterr().err
+    assert exit.value.code == 2 and re.search(r"error: .*--time-limit.* 0\b", capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_processes_an_answer_starts_end_with_the_check(tmp_path):
     pids = tmp_path / "pids.txt"
     result = check_file(answers_file(tmp_path, "causal_mask", f"""
@@ -254,19 +261,11 @@ def test_processes_an_answer_starts_end_with_the_check(tmp_path):
     assert started and not [pid for pid in started if running(pid)]  # none left behind by the checker
 
 
-def running(pid: int) -> bool:
-    """True while process ``pid`` runs (a zombie, dead but not yet reaped, does not count)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_answers_to_another_chapter_get_a_hint_naming_it(capfd):
     ch03_answers = ROOT / "tests" / "exercise_answers" / "ch03_solutions.py"
     status, out, _ = check_here(capfd, ch03_answers)
     assert status == 1 and rows(out) == {name: "not done yet" for name in NAMES}  # the wrong chapter: no pass
-    assert "answers none of ch02's exercises, but 6 of ch03's" in out
+    assert re.search(r"ch02.* 6 of ch03", out)
     assert f"\n  python -m llmscratch.exercises ch03 {ch03_answers}\n" in out
 
 

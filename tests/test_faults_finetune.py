@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from llmscratch.checkpoint import export_model, save_checkpoint, write_safetensors  # noqa: E402
-from llmscratch.lora import LoRAConfig, apply_lora, load_adapters, lora_layers, save_adapters  # noqa: E402
+from llmscratch.config import LoRAConfig  # noqa: E402
+from llmscratch.lora import apply_lora, load_adapters, lora_layers, save_adapters  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
 from llmscratch.weights import save_hf  # noqa: E402
@@ -201,49 +202,47 @@ CASES = {
         r"checkpoint\.pt is not a readable llmscratch checkpoint"),
     "HF shard index naming a missing file": (
         script("generate", "{input}", make=shard_index_naming_a_missing_file), 1,
-        r"model\.safetensors\.index\.json names shard file\(s\) \['model-00002-of-00002\.safetensors'\] "
-        r"that are not in"),
+        r"model\.safetensors\.index\.json .*\['model-00002-of-00002\.safetensors'\]"),
     "HF shard index naming a missing file, to --base": (
         script("classifier", "--base", "{input}", make=shard_index_naming_a_missing_file), 1,
         r"model-00002-of-00002\.safetensors"),
     # ---- devices: validated as pretrain.py does, before anything loads
     "--device toaster (classifier)": (
         script("classifier", "--base", "{base}", "--device", "toaster"), 2,
-        r"--device: device 'toaster' is not a device name"),
+        r"--device: device 'toaster'"),
     "--device cuda:7 (instructions)": (
         script("instructions", "--base", "{base}", "--device", "cuda:7"), 2,
-        r"--device: device 'cuda:7' (was asked for, but this torch sees no CUDA GPU|: this machine has)"),
+        r"--device: device 'cuda:7'"),
     # ---- config flags: refused as the config refuses them, named by the flag, before anything loads
     "--epochs 0 (classifier)": (script("classifier", "--base", "{base}", "--epochs", "0"), 2,
-                                r"--epochs must be a positive integer, got 0"),
+                                r"error: --epochs .*got 0$"),
     "--lr nan (instructions)": (script("instructions", "--base", "{base}", "--lr", "nan"), 2,
-                                r"argument --lr: 'nan' is not a finite number"),
+                                r"--lr: 'nan'"),
     "--lora-rank 0 (classifier)": (script("classifier", "--base", "{base}", "--lora", "--lora-rank", "0"), 2,
-                                   r"LoRA rank must be a positive integer, got 0"),
+                                   r"error: LoRA rank .*got 0$"),
     # ---- data
     "SMS TSV line without a tab": (
         script("classifier", "--base", "{base}", "--data", "{input}", make=tsv(["ham\thello", "spam free prize"])),
-        1, r"sms\.tsv, line 2: no tab in 'spam free prize'; expected label<TAB>text"),
+        1, r"sms\.tsv, line 2: .*tab.* 'spam free prize'"),
     "SMS TSV with an unknown label": (
         script("classifier", "--base", "{base}", "--data", "{input}",
                make=tsv(["ham\thello", "", "spma\tfree prize"])),
-        1, r"sms\.tsv, line 3: label 'spma' is not one of \('ham', 'spam'\)"),
+        1, r"sms\.tsv, line 3: .*'spma'.*\('ham', 'spam'\)"),
     "SMS TSV with too few spam messages": (
         script("classifier", "--base", "{base}", "--data", "{input}",
                make=tsv([f"ham\tmessage {i}" for i in range(30)] + [f"spam\toffer {i}" for i in range(5)])),
-        1, r"too few examples: 30 ham and 5 spam .*at least 10"),
+        1, r"30 ham and 5 spam .*10"),
     "instruction record longer than the context": (
         script("instructions", "--base", "{base}", "--data", "{input}", make=instructions_with_a_long_prompt),
-        1, r"data\.json, 'train' split: 1 record\(s\) do not fit the model's context_length=256 .*"
-           r"record 1 \('Repeat the input\.'\): prompt \d+ \+ output 4 \+ 1 tokens"),
+        1, r"data\.json, 'train' split: .*context_length=256 .*record 1 \('Repeat the input\.'\)"),
     # ---- LoRA adapter files: refused whole, the model untouched
     "adapters of other shapes": (load_into_a_plain_model(wider_adapters), ValueError,
-                                 r"blocks\.0\.attn\.qkv\.lora_a: the file has shape \(2, 32\), the model \(2, 16\)"),
+                                 r"blocks\.0\.attn\.qkv\.lora_a: .*\(2, 32\).*\(2, 16\)"),
     "adapters of other shapes, into adapters": (load_into_existing_adapters(wider_adapters), ValueError,
-                                                r"the file has shape \(2, 32\), the model \(2, 16\)"),
+                                                r"\(2, 32\).*\(2, 16\)"),
     "adapter file missing one tensor": (
         load_into_a_plain_model(adapter_file(edit=lambda t: t.pop("blocks.0.mlp.down.lora_b"))), ValueError,
-        r"does not hold the tensors its metadata lists: missing \['blocks\.0\.mlp\.down\.lora_b'\]"),
+        r"missing \['blocks\.0\.mlp\.down\.lora_b'\]"),
     "adapter file missing one tensor, into adapters": (
         load_into_existing_adapters(adapter_file(edit=lambda t: t.pop("blocks.0.mlp.down.lora_b"))), ValueError,
         r"missing \['blocks\.0\.mlp\.down\.lora_b'\]"),
@@ -254,24 +253,24 @@ CASES = {
     "adapter file of integers": (
         load_into_a_plain_model(adapter_file(edit=lambda t: t.update({"blocks.0.attn.qkv.lora_b":
                                                                       torch.zeros(32, 2, dtype=torch.int64)}))),
-        ValueError, r"blocks\.0\.attn\.qkv\.lora_b: the file holds torch\.int64 values, expected floating point"),
+        ValueError, r"blocks\.0\.attn\.qkv\.lora_b: .*torch\.int64"),
     "adapter metadata without layers": (
         load_into_a_plain_model(adapter_file(metadata={"layers": "{not json"})), ValueError,
-        r"adapters\.safetensors: its metadata has no readable 'layers' entry"),
+        r"adapters\.safetensors: .*'layers'"),
     "adapter metadata with rank 0": (
         load_into_a_plain_model(adapter_file(metadata={"layers": json.dumps(
             {"blocks.0.attn.qkv": {"rank": 0, "alpha": 4.0}})})), ValueError,
-        r"layer 'blocks\.0\.attn\.qkv' has bad metadata .*expected a positive integer rank"),
+        r"'blocks\.0\.attn\.qkv' .*rank"),
     "adapter metadata rank not the tensors'": (
         load_into_a_plain_model(adapter_file(metadata={"layers": json.dumps(
             {name: {"rank": 4, "alpha": 4.0} for name in ("blocks.0.attn.qkv", "blocks.0.mlp.gate", "blocks.0.mlp.up",
                                                           "blocks.0.mlp.down")})})), ValueError,
-        r"blocks\.0\.attn\.qkv: its metadata says rank=4, but its A and B have shapes \(2, 16\) and \(32, 2\)"),
+        r"blocks\.0\.attn\.qkv: .*rank=4.*\(2, 16\).*\(32, 2\)"),
     "adapter metadata of another format": (
         load_into_a_plain_model(adapter_file(metadata={"format": "pt"})), ValueError,
-        r"not an llmscratch LoRA adapter file \(format 'pt'\)"),
+        r"format 'pt'"),
     "truncated adapter file": (load_into_a_plain_model(truncated_adapters), ValueError,
-                               r"adapters\.safetensors is not a readable safetensors file \(truncated"),
+                               r"adapters\.safetensors is not a readable safetensors file"),
 }
 
 

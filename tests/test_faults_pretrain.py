@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +26,13 @@ import torch
 
 from llmscratch import atomic, distributed
 from llmscratch.checkpoint import export_model, load_checkpoint, model_from_checkpoint, save_checkpoint
-from llmscratch.data import load_token_split, prepare_token_files
+from llmscratch.corpus import load_token_split, prepare_token_files
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.train import Trainer
-from test_pretrain_script import SCRIPT, TINY, pretrain
-from tiny_training import TEXT, model_config, tokenizer
+from processes import start_until_lines
+from test_pretraining import pretrain
+from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, model_config, tokenizer
 
 RUN = "run"  # the run folder, under tmp_path
 
@@ -54,7 +54,7 @@ def finished_run(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("finished")
     (folder / "text.txt").write_text(TEXT, encoding="utf-8")
     assert pretrain.main(["--data", str(folder / "text.txt"), "--out-dir", str(folder / RUN), "--max-steps", "4",
-                          "--checkpoint-interval", "2", *TINY]) == 0
+                          "--checkpoint-interval", "2", *PRETRAIN_FLAGS]) == 0
     return folder
 
 
@@ -73,7 +73,7 @@ def copy_run(finished_run: Path, tmp_path: Path) -> Path:
 
 @dataclass
 class ScriptCase:
-    """pretrain.main(setup(tmp_path) + TINY flags) exits with ``code``, ``message`` in its output."""
+    """pretrain.main(setup(tmp_path) + PRETRAIN_FLAGS) exits with ``code``, ``message`` in its output."""
 
     name: str
     setup: Callable[[Path], list[str]]
@@ -87,14 +87,14 @@ class ScriptCase:
 def text(name: str, content: str) -> Callable[[Path], list[str]]:
     def setup(tmp_path):
         (tmp_path / name).write_text(content, encoding="utf-8")
-        return ["--data", str(tmp_path / name), "--out-dir", str(tmp_path / RUN), *TINY]
+        return ["--data", str(tmp_path / name), "--out-dir", str(tmp_path / RUN), *PRETRAIN_FLAGS]
     return setup
 
 
 def with_text(*flags: str) -> Callable[[Path], list[str]]:
     def setup(tmp_path):
         (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-        return ["--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN), *TINY,
+        return ["--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN), *PRETRAIN_FLAGS,
                 *(flag.replace("{tmp}", str(tmp_path)) for flag in flags)]
     return setup
 
@@ -108,7 +108,7 @@ def token_folder_with_bad_id(tmp_path):
     ids[1234] = 300  # the first id past the vocabulary of 300
     ids[2000] = 65535
     ids.tofile(tmp_path / "tokens" / "train.bin")
-    flags = [f for f in TINY if f not in ("--tokenizer", "bpe:300")]
+    flags = [f for f in PRETRAIN_FLAGS if f not in ("--tokenizer", "bpe:300")]
     return ["--data", str(tmp_path / "tokens"), "--tokenizer", str(tmp_path / "tok.json"),
             "--out-dir", str(tmp_path / RUN), *flags]
 
@@ -152,55 +152,54 @@ RUN_FILES = [f"{RUN}/run.json", f"{RUN}/checkpoint.pt", f"{RUN}/tokenizer.json",
 
 SCRIPT_CASES = [
     # Issue 12.1: an empty text: a clear error before any tokenizer work, not a ZeroDivisionError.
-    ScriptCase("empty text", text("empty.txt", ""), 2, r"--data \S*empty.txt: no text \(empty file\)",
+    ScriptCase("empty text", text("empty.txt", ""), 2, r"--data \S*empty\.txt: no text",
                creates_nothing=True),
     ScriptCase("empty text, gpt2", lambda p: text("empty.txt", "")(p) + ["--tokenizer", "gpt2"], 2,
                r"empty.txt: no text", creates_nothing=True),
     # Too little text: the advice fits the split that is short.
     ScriptCase("short training split", lambda p: text("short.txt", "Call me Ishmael. " * 3)(p)
                + ["--val-fraction", "0.9"], 2,
-               r"the training split has \d+ bytes, fewer than one window .*smaller --val-fraction \(now 0.9\)",
+               r"training split.*--val-fraction \(now 0\.9\)",
                creates_nothing=True),
     ScriptCase("short validation split", lambda p: text("short.txt", "Call me Ishmael. " * 20)(p)
                + ["--val-fraction", "0.01"], 2,
-               r"the validation split has \d+ (bytes|tokens), fewer than .*larger --val-fraction \(now 0.01\)",
+               r"validation split.*--val-fraction \(now 0\.01\)",
                creates_nothing=True),
     # Issue 12.3: ids past the vocabulary are found when the folder is loaded, with the file and the id.
     ScriptCase("token id past the vocabulary", token_folder_with_bad_id, 2,
-               r"tokens/train.bin holds token id 300 at position 1,234, outside the vocabulary of 300 ids",
+               r"tokens/train\.bin.*token id 300 at position 1,234.*300 ids",
                creates_nothing=True),
     # Issue 12.5: a refused --resume changes nothing, so a later plain --resume still works.
     ScriptCase("resume with another preset", resume("--preset", "llama-mini"), 2,
-               "the checkpoint was made for another model", unchanged=RUN_FILES, needs_run=True),
+               r"d_model: model \d+ vs checkpoint \d+", unchanged=RUN_FILES, needs_run=True),
     ScriptCase("resume with another batch size", resume("--batch-size", "3"), 2,
-               "saved state has batch_size=2, but this sampler has batch_size=3", unchanged=RUN_FILES,
-               needs_run=True),
+               "batch_size=2.*batch_size=3", unchanged=RUN_FILES, needs_run=True),
     # Issue 12.6: a damaged run.json: the checkpoint's copy of the flags is used, and said so.
     ScriptCase("truncated run.json", damaged_run_json('{"data": ["te'), 0,
-               r"run.json is unreadable .*resuming with the flags saved in \S*checkpoint.pt", needs_run=True),
+               r"run\.json.*\S*checkpoint\.pt", needs_run=True),
     ScriptCase("empty run.json", damaged_run_json(""), 0, r"run.json is unreadable", needs_run=True),
     ScriptCase("run.json of another shape", damaged_run_json("[1, 2]"), 0, r"run.json does not hold a run's flags",
                needs_run=True),
     # Issue 12.7: evaluation sizes below one window are refused before any work.
     ScriptCase("eval tokens below a window", with_text("--eval-tokens", "16"), 2,
-               r"--eval-tokens 16 is less than one evaluation window \(context length \+ 1 = 17 tokens\)",
+               r"--eval-tokens 16 .*17 tokens",
                creates_nothing=True),
     ScriptCase("final eval tokens below a window", with_text("--final-eval-tokens", "2"), 2,
-               r"--final-eval-tokens 2 is less than one evaluation window", creates_nothing=True),
+               r"--final-eval-tokens 2 .*17 tokens", creates_nothing=True),
     # Rough edges.
     ScriptCase("resume without tokenizer.json", deleted_tokenizer, 0, r"done in", needs_run=True),
     ScriptCase("resume of a moved run folder", moved_run, 0, r"done in", needs_run=True),
     ScriptCase("resume whose data moved", moved_data, 2,
-               r"--resume: the run's --data \S*text.txt \(as run.json recorded it\) no longer exists",
+               r"--resume: .*--data \S*text\.txt .*run\.json",
                unchanged=RUN_FILES, needs_run=True),
     ScriptCase("out-dir under a file", under_a_file, 2, r"--out-dir \S*file/run: \S*file is a file, not a folder",
                unchanged=["file"]),
     ScriptCase("lr overflowing float32", with_text("--lr", "1e300"), 2,
-               r"argument --lr: '1e300' is not a finite number of at most 3.4e\+38", creates_nothing=True),
-    ScriptCase("lr infinite", with_text("--lr", "inf"), 2, r"argument --lr: 'inf' is not a finite number",
+               r"--lr: '1e300' .*3\.4e\+38", creates_nothing=True),
+    ScriptCase("lr infinite", with_text("--lr", "inf"), 2, r"--lr: 'inf'",
                creates_nothing=True),
     ScriptCase("weight decay NaN", with_text("--weight-decay", "nan"), 2,
-               r"argument --weight-decay: 'nan' is not a finite number", creates_nothing=True),
+               r"--weight-decay: 'nan'", creates_nothing=True),
     ScriptCase("dropout of 1, before the tokenizer", with_text("--dropout", "1"), 2, r"dropout must be in \[0, 1\)",
                creates_nothing=True),
 ]
@@ -289,21 +288,21 @@ TOKEN_FILES = ["tok/meta.json", "tok/train.bin", "tok/val.bin", "tok/notes.txt"]
 API_CASES = [
     # Issue 12.4: a failing prepare leaves the folder it was to replace exactly as it was.
     ApiCase("prepare with a binary input", good_token_folder, prepare("good.txt", "binary.dat"), ValueError,
-            r"binary.dat holds a NUL byte \(byte 0\): it looks like binary data, not UTF-8 text", TOKEN_FILES),
+            r"binary\.dat .*NUL byte \(byte 0\)", TOKEN_FILES),
     ApiCase("prepare with a missing input", good_token_folder, prepare("good.txt", "missing.txt"), ValueError,
             r"missing.txt: no such file", TOKEN_FILES),
     ApiCase("prepare with a folder as input", good_token_folder, prepare("tok"), ValueError,
-            r"tok: a folder; expected a UTF-8 text file", TOKEN_FILES),
+            r"tok: a folder", TOKEN_FILES),
     ApiCase("prepare with too little text", good_token_folder, prepare("tiny.txt"), ValueError,
             r"each split needs at least 1", TOKEN_FILES),
     ApiCase("token file with an id past the vocabulary", good_token_folder, load_split_with_bad_id, ValueError,
-            r"tok/val.bin holds token id 4000 at position 7, outside the vocabulary of 300 ids"),
+            r"tok/val\.bin .*token id 4000 at position 7.*300 ids"),
     ApiCase("GPT.forward with an id past the vocabulary", None, forward_bad_id, ValueError,
-            r"token id 320 is outside the model's vocabulary of 320 ids \(0..319\)"),
+            r"token id 320 .*\(0\.\.319\)"),
     ApiCase("a safetensors file where a checkpoint is expected", None, load_safetensors_as_checkpoint, ValueError,
-            r"model.pt is a safetensors file \(a model export\?\), not a training checkpoint"),
+            r"model\.pt is a safetensors file"),
     ApiCase("a checkpoint with pickled code", None, load_pickled_code, ValueError,
-            r"code.pt is not a readable llmscratch checkpoint \(it holds objects other than tensors"),
+            r"code\.pt is not a readable llmscratch checkpoint"),
 ]
 
 
@@ -339,8 +338,7 @@ def test_a_full_disk_names_the_folder_and_keeps_the_last_checkpoint(tmp_path, mo
             save_checkpoint(tmp_path / "checkpoint.pt", {"model": {}, "model_config": {}, "step": 2})
         message = str(raised.value)
         assert raised.value.errno == errno.ENOSPC
-        assert f"the disk is full: no space left to write checkpoint.pt in {tmp_path.resolve()}" in message
-        assert "the previous checkpoint.pt there is kept unchanged" in message
+        assert re.search(rf"disk is full.* checkpoint\.pt in {re.escape(str(tmp_path.resolve()))}.* kept", message)
         assert digest(tmp_path / "checkpoint.pt") == before
         assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # the temporary is gone
     monkeypatch.setattr(torch, "save", real_save)
@@ -359,8 +357,7 @@ def test_a_full_disk_during_a_run_is_a_clear_error(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(torch, "save", disk_fills_on_the_second_save)
     assert run_main(with_text("--max-steps", "4", "--checkpoint-interval", "2")(tmp_path)) == 1
     err = capsys.readouterr().err
-    assert re.search(r"error: the disk is full: no space left to write checkpoint.pt in \S+run \([\d,]+ bytes free\); "
-                     r"the previous checkpoint.pt there is kept unchanged", err), err
+    assert re.search(r"error: .*disk is full.* checkpoint\.pt in \S+run \([\d,]+ bytes free\).* kept", err), err
     monkeypatch.setattr(torch, "save", real_save)
     assert load_checkpoint(tmp_path / RUN / "checkpoint.pt")["step"] == 2
 
@@ -380,8 +377,8 @@ def test_ctrl_c_saves_the_step_under_way_and_says_where_resume_restarts(tmp_path
     handler = signal.getsignal(signal.SIGINT)
     assert run_main(with_text("--max-steps", "20", "--checkpoint-interval", "5")(tmp_path)) == 130
     out = capsys.readouterr().out
-    assert "SIGINT: stopping at the end of the step under way, with a checkpoint" in out
-    assert re.search(r"interrupted: \S*checkpoint.pt holds step 3; --resume --out-dir \S+ restarts from step 3", out)
+    assert re.search(r"SIGINT: .*checkpoint", out)
+    assert re.search(r"\S*checkpoint\.pt .*step 3; --resume --out-dir \S+ .*step 3", out)
     assert load_checkpoint(tmp_path / RUN / "checkpoint.pt")["step"] == 3
     assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back
     assert calls == [0, 1, 2]
@@ -402,29 +399,25 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, c
 
     monkeypatch.setattr(Trainer, "train_step", step_then_interrupt_twice)
     assert run_main(with_text("--max-steps", "20", "--checkpoint-interval", "2")(tmp_path)) == 130
-    assert re.search(r"interrupted at step 3; --resume --out-dir \S+ restarts from step 2, its last checkpoint",
-                     capsys.readouterr().out)
+    assert re.search(r"step 3; --resume --out-dir \S+ .*step 2", capsys.readouterr().out)
     assert load_checkpoint(tmp_path / RUN / "checkpoint.pt")["step"] == 2
 
 
 def test_sigterm_saves_a_checkpoint_instead_of_dying_silently(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-    command = [sys.executable, str(SCRIPT), "--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN),
+    command = [sys.executable, str(PRETRAIN), "--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN),
                "--max-steps", "100000", "--checkpoint-interval", "100000", "--eval-interval", "100000",
-               "--sample-interval", "100000", *TINY]
-    run = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+               "--sample-interval", "100000", *PRETRAIN_FLAGS]
     metrics = tmp_path / RUN / "metrics.jsonl"
-    deadline = time.monotonic() + 300  # a hard limit on the wait, not a timing assertion
-    while run.poll() is None and time.monotonic() < deadline and (
-            not metrics.is_file() or metrics.read_text().count("\n") < 3):
-        time.sleep(0.05)
+    run = start_until_lines(command, metrics, lines=3, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE)
     assert run.poll() is None, run.communicate()[1]
     run.send_signal(signal.SIGTERM)
     out, err = run.communicate(timeout=120)
     assert run.returncode == 128 + signal.SIGTERM, err  # 143, as a shell reports a process that SIGTERM ended
     step = load_checkpoint(tmp_path / RUN / "checkpoint.pt")["step"]
-    assert step >= 3 and f"holds step {step}; --resume --out-dir {tmp_path / RUN} restarts from step {step}" in out
+    assert step >= 3 and re.search(rf"step {step}; --resume --out-dir {re.escape(str(tmp_path / RUN))} .*step {step}",
+                                   out), out
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1] == step
 
 
@@ -446,6 +439,7 @@ def test_stale_temporaries_of_the_checkpoint_are_removed_at_start_and_nothing_el
 
 
 # --------------------------------------------------------------------------- leaving the process group
+@pytest.mark.slow
 def test_no_trainer_is_alive_when_the_process_group_is_left(tmp_path, finished_run, monkeypatch, capsys):
     """Every way out of main() drops the Trainer (and its DDP wrapper) before distributed.teardown."""
     trainers, seen = [], []

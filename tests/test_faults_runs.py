@@ -33,9 +33,8 @@ from llmscratch.tokenizer import BPETokenizer
 from processes import run as run_process
 from test_faults_finetune import OURS, ours
 from test_faults_pretrain import RUN, copy_run, finished_run, run_main  # noqa: F401  (finished_run: a fixture)
-from test_pretrain_script import TINY
-from test_preference_script import model_path, pairs_path  # noqa: F401  (fixtures)
-from tiny_training import TEXT
+from test_dpo import model_path, pairs_path  # noqa: F401  (fixtures)
+from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, pretrain_with_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"classifier": "ch05-finetuning/finetune_classifier.py",
@@ -186,8 +185,7 @@ def test_the_folder_of_the_starting_model_is_refused_as_out_dir(name, flag, wher
     argv[argv.index(flag) + 1] = str(given)
     before = snapshot(tmp_path)
     assert exits(script(name).main, argv) == 2
-    assert re.search(rf"--out-dir \S+start is the folder of {flag} \S+, the model this run starts from: its results "
-                     rf"would replace it", capsys.readouterr().err)
+    assert re.search(rf"error: --out-dir \S+start .*{flag} \S+", capsys.readouterr().err)
     assert snapshot(tmp_path) == before
 
 
@@ -213,10 +211,10 @@ def test_a_finished_pretraining_run_without_its_checkpoint_is_not_overwritten(tm
     run = copy_run(finished_run, tmp_path)
     (run / "checkpoint.pt").unlink()  # people delete it to save space
     before = snapshot(run)
-    argv = ["--data", str(tmp_path / "text.txt"), "--out-dir", str(run), "--max-steps", "2", *TINY]
+    argv = ["--data", str(tmp_path / "text.txt"), "--out-dir", str(run), "--max-steps", "2", *PRETRAIN_FLAGS]
     assert run_main(argv) == 2
-    assert re.search(r"--out-dir \S+ already holds a run \(model\.safetensors, run\.json.*\); pass --resume to continue "
-                     r"it, --overwrite to start again", capsys.readouterr().err)
+    assert re.search(r"error: --out-dir \S+ .*\(model\.safetensors, run\.json.*--resume.*--overwrite",
+                     capsys.readouterr().err)
     assert run_main(["--out-dir", str(run), "--resume"]) == 2
     assert "holds model.safetensors, run.json" in capsys.readouterr().err
     assert snapshot(run) == before
@@ -240,15 +238,15 @@ def hold_in_another_process(folder: Path) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow
 def test_a_run_folder_is_held_by_one_run_and_a_killed_holder_leaves_it_free(tmp_path, capsys):
     run = tmp_path / RUN
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-    argv = ["--data", str(tmp_path / "text.txt"), "--out-dir", str(run), "--max-steps", "2", *TINY]
+    argv = ["--data", str(tmp_path / "text.txt"), "--out-dir", str(run), "--max-steps", "2", *PRETRAIN_FLAGS]
     holder = hold_in_another_process(run)
     try:
         assert run_main(argv) == 2
-        assert re.search(rf"--out-dir {re.escape(str(run))} is in use by another run \(process {holder.pid} on "
-                         rf"\S+, since [\d: -]+\)", capsys.readouterr().err)
+        assert re.search(rf"error: --out-dir {re.escape(str(run))} .*process {holder.pid}\b", capsys.readouterr().err)
         assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # nothing of this run was written
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -271,9 +269,7 @@ def test_a_lora_rank_larger_than_the_layers_is_refused_before_training(tmp_path,
     status = exits(script("instructions").main,
                    argv_of("instructions", tmp_path / "out", base, None, None, "--lora", "--lora-rank", "100000"))
     d_model = OURS["d_model"]
-    assert isinstance(status, str) and re.search(
-        rf"LoRA rank 100000 is more than blocks\.0\.attn\.qkv can use: its weight is \d+ x {d_model}, so a rank above "
-        rf"{d_model} adds nothing", status), status
+    assert isinstance(status, str) and re.search(rf"rank 100000 .*blocks\.0\.attn\.\w+.* {d_model}\b", status), status
     assert not (tmp_path / "out").exists()
 
 
@@ -282,17 +278,15 @@ def test_a_lora_rank_larger_than_the_layers_is_refused_before_training(tmp_path,
 def test_lora_beside_another_trainable_is_refused(name, trainable, tmp_path, base, model_path, pairs_path, capsys):
     argv = argv_of(name, tmp_path / "out", base, model_path, pairs_path, "--lora", "--trainable", trainable)
     assert exits(script(name).main, argv) == 2
-    assert "argument --trainable: not allowed with argument --lora" in capsys.readouterr().err
+    assert re.search(r"error: .*--trainable.* --lora", capsys.readouterr().err)
 
 
 TEXT_FAULTS = {
     "UTF-16 without a byte-order mark": (TEXT[:4000].encode("utf-16-le"),
-                                         r"holds a NUL byte \(byte 1\): it looks like UTF-16 text without a byte-order "
-                                         r"mark, not UTF-8 text; convert it to UTF-8"),
-    "UTF-16 with its byte-order mark": (TEXT[:4000].encode("utf-16"), r"is UTF-16 text \(it starts with UTF-16's "
-                                                                      r"byte-order mark\); convert it to UTF-8"),
+                                         r"NUL byte \(byte 1\).*UTF-16"),
+    "UTF-16 with its byte-order mark": (TEXT[:4000].encode("utf-16"), r"UTF-16.*byte-order mark"),
     "NUL bytes in text": (TEXT[:4000].encode() + b"\0\0\0\0" + TEXT[4000:8000].encode(),
-                          rf"holds a NUL byte \(byte {len(TEXT[:4000].encode()):,}\): it looks like binary data"),
+                          rf"NUL byte \(byte {len(TEXT[:4000].encode()):,}\)"),
 }
 
 
@@ -300,21 +294,21 @@ TEXT_FAULTS = {
 def test_text_that_is_not_utf8_is_refused_naming_the_file(case, tmp_path, capsys):
     content, message = TEXT_FAULTS[case]
     (tmp_path / "text.txt").write_bytes(content)
-    assert run_main(["--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN), *TINY]) == 2
-    assert re.search(r"error: --data \S+text\.txt " + message, capsys.readouterr().err)
+    assert run_main(["--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN), *PRETRAIN_FLAGS]) == 2
+    assert re.search(r"error: --data \S+text\.txt .*" + message, capsys.readouterr().err)
     assert not (tmp_path / RUN).exists()
     status = exits(script("tokenizer").main, ["--input", str(tmp_path / "text.txt"), "--out", str(tmp_path / "t.json")])
-    assert isinstance(status, str) and re.search(r"error: --input \S+text\.txt " + message, status), status
+    assert isinstance(status, str) and re.search(r"error: --input \S+text\.txt .*" + message, status), status
 
 
 def test_a_device_file_as_data_is_refused_not_read_until_memory_runs_out(tmp_path):
     def bounded() -> None:  # should it read /dev/zero after all, it fails in seconds, not at the machine's limit
         resource.setrlimit(resource.RLIMIT_DATA, (3 * 2**30, 3 * 2**30))
 
-    result = run_process([sys.executable, str(ROOT / "ch04-pretraining" / "pretrain.py"), "--data", "/dev/zero",
-                          "--out-dir", str(tmp_path / RUN), *TINY], timeout=120, preexec_fn=bounded)
+    result = run_process([sys.executable, str(PRETRAIN), "--data", "/dev/zero", "--out-dir", str(tmp_path / RUN),
+                          *PRETRAIN_FLAGS], timeout=120, preexec_fn=bounded)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "error: --data /dev/zero: not a regular file (a device or pipe); expected a UTF-8 text file" in result.stderr
+    assert "error: --data /dev/zero: not a regular file" in result.stderr
 
 
 def test_a_stream_far_longer_than_memory_could_hold_at_once_starts_and_stays_one_window():
@@ -329,8 +323,7 @@ def test_a_stream_far_longer_than_memory_could_hold_at_once_starts_and_stays_one
 def test_a_prompt_longer_than_the_context_gets_a_note(tmp_path, base, capsys):
     context = OURS["context_length"]
     assert exits(script("generate").main, [str(base), "--prompt", "ab" * context, "--max-new-tokens", "2"]) == 0
-    assert (f"note: the prompt is {2 * context} tokens, more than the model's context of {context}: it reads only "
-            f"the last {context} of them") in capsys.readouterr().err
+    assert re.search(rf"note: .* {2 * context} tokens, .* {context}\b.* last {context}\b", capsys.readouterr().err)
 
 
 def test_the_memory_planner_refuses_a_model_beyond_what_pytorch_can_count(capsys):
@@ -339,7 +332,7 @@ def test_the_memory_planner_refuses_a_model_beyond_what_pytorch_can_count(capsys
     with pytest.raises(SystemExit) as exit_info:
         memory_main(["--d-model", "12000000000"])
     assert exit_info.value.code == 2
-    assert "more bytes than PyTorch can address (2^63); check --d-model" in capsys.readouterr().err
+    assert re.search(r"error: .*2\^63.*--d-model", capsys.readouterr().err)
 
 
 def test_resuming_with_other_data_or_another_optimizer_names_the_flag(tmp_path, finished_run, capsys):
@@ -347,11 +340,9 @@ def test_resuming_with_other_data_or_another_optimizer_names_the_flag(tmp_path, 
     (tmp_path / "other.txt").write_text(TEXT[: len(TEXT) // 2], encoding="utf-8")
     before = snapshot(run)
     assert run_main(["--out-dir", str(run), "--resume", "--max-steps", "6", "--data", str(tmp_path / "other.txt")]) == 2
-    assert re.search(r"cannot resume: the checkpoint's run trained on [\d,]+ tokens, this run's training split has "
-                     r"[\d,]+: its data or tokenizer differ \(pretrain\.py: --data, --tokenizer", capsys.readouterr().err)
+    assert re.search(r"cannot resume: .*[\d,]+ tokens.* [\d,]+.*--data, --tokenizer", capsys.readouterr().err)
     assert run_main(["--out-dir", str(run), "--resume", "--max-steps", "6", "--optimizer", "muon"]) == 2
-    assert ("cannot resume: the checkpoint holds the state of optimizer 'adamw', this run uses 'muon' (pretrain.py: "
-            "--optimizer)") in capsys.readouterr().err
+    assert re.search(r"cannot resume: .*'adamw'.*'muon'.*--optimizer", capsys.readouterr().err)
     assert snapshot(run) == before
 
 
@@ -368,8 +359,7 @@ def test_preference_pairs_that_all_tie_are_refused(tmp_path, model_path, capsys)
     (tmp_path / "pairs.json").write_text(json.dumps(pairs))
     status = exits(script("preferences").main, argv_of("preferences", tmp_path / "out", None, model_path,
                                                        tmp_path / "pairs.json"))
-    assert isinstance(status, str) and re.search(r"pairs\.json, 'train' split: in every one of its \d+ pairs the "
-                                                 r"chosen response equals the rejected one", status), status
+    assert isinstance(status, str) and re.search(r"pairs\.json, 'train' split: .*chosen.*rejected", status), status
 
 
 def test_json_lines_are_read_where_a_json_list_is_expected(tmp_path):
@@ -378,11 +368,11 @@ def test_json_lines_are_read_where_a_json_list_is_expected(tmp_path):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert read_json_records(tmp_path / "data.jsonl") == records
     (tmp_path / "bad.jsonl").write_text(json.dumps(records[0]) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: not JSON .*expected a JSON list of records, or one "
-                                         r"JSON record per line"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: not JSON"):
         read_json_records(tmp_path / "bad.jsonl")
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_dpo_saves_the_model_trained_so_far(tmp_path, model_path, pairs_path, capsys, monkeypatch):
     from llmscratch.optim import OptimizerStep
 
@@ -399,7 +389,7 @@ def test_ctrl_c_during_dpo_saves_the_model_trained_so_far(tmp_path, model_path, 
     out = tmp_path / "out"
     assert exits(script("preferences").main, argv_of("preferences", out, None, model_path, pairs_path)) == 130
     captured = capsys.readouterr()
-    assert "SIGINT: stopping at the end of the step under way, then saving the model trained so far" in captured.out
+    assert re.search(r"SIGINT: .*saving", captured.out)
     assert f"interrupted: stopped after step 2 of " in captured.out and "Traceback" not in captured.err
     assert len(steps) == 2  # no step after the one under way
     metrics = json.loads((out / "metrics.json").read_text())
@@ -418,7 +408,7 @@ def test_evaluate_refuses_bad_benchmark_files_and_devices_before_scoring(tmp_pat
     for argv, message in ((["--choices", str(tmp_path / "one.json")], r"item 0: 'choices' is \['b'\]: one choice"),
                           (["--cloze", str(tmp_path)], rf"--cloze {re.escape(str(tmp_path))}: a folder"),
                           (["--choices", str(tmp_path / "choices.json")],
-                           r"--choices \S+choices\.json: item 300: 'answer' 5 is not an index into its 2 choices \(0 to 1\)"),
+                           r"--choices \S+choices\.json: item 300: 'answer' 5 .*\(0 to 1\)"),
                           (["--cloze", str(tmp_path / "cloze.jsonl")], r"--cloze \S+cloze\.jsonl, line 1: not JSON"),
                           (["--cloze", str(tmp_path / "ties.json")], r"item 0: 'choices' repeat one \('b'\)"),
                           (["--device", "cuda:3"] if not torch.cuda.is_available() else ["--device", "cuda:999"],
@@ -458,9 +448,8 @@ def test_a_prompt_too_long_for_the_model_names_the_model_and_the_benchmark(tmp_p
                                                         "answer": 0}]))
     status = exits(script("evaluate").main, argv_of("evaluate", tmp_path / "report", base, None, None, "--choices",
                                                     str(tmp_path / "choices.json")))
-    assert isinstance(status, str) and re.match(rf"error: --model tiny \(\S+model\.safetensors\): the choices "
-                                                rf"\(multiple choice\) benchmark: choice 'x{{57}}'\.\.\. is {3 * context} tokens; "
-                                                rf"expected 1 to context_length={context}", status), status
+    assert isinstance(status, str) and re.match(rf"error: --model tiny \(\S+model\.safetensors\): .*choices.*"
+                                                rf" {3 * context} tokens.*context_length={context}", status), status
 
 
 @pytest.mark.parametrize("out", ["a folder", "a missing folder"])
@@ -474,6 +463,7 @@ def test_a_data_script_checks_its_output_first_and_makes_missing_folders(out, tm
         assert len(read_json_records(tmp_path / "new" / "cloze.json")) > 100
 
 
+@pytest.mark.slow
 def test_the_attention_benchmark_checks_its_plot_path_and_names_sizes_that_do_not_fit(tmp_path):
     bench = [sys.executable, str(ROOT / "ch02-attention" / "attention_bench.py"), "--no-compile", "--repeats", "1"]
     folder = run_process([*bench, "--out", str(tmp_path)], timeout=120)
@@ -485,36 +475,36 @@ def test_the_attention_benchmark_checks_its_plot_path_and_names_sizes_that_do_no
     huge = run_process([*bench, "--batch-size", "100000", "--seq-lens", "128", "--out", str(tmp_path / "a.png")],
                        timeout=120, preexec_fn=bounded)
     assert huge.returncode == 1, huge.stderr[-2000:]
-    assert re.search(r"error: batch 100000 x 128 tokens x d_model 256 needs more memory than cpu has \(one tensor of "
-                     r"\d+ bytes\); use a smaller --batch-size or --seq-lens", huge.stderr), huge.stderr[-2000:]
+    assert re.search(r"error: batch 100000 x 128 tokens x d_model 256 .*cpu.*--batch-size.*--seq-lens", huge.stderr), \
+        huge.stderr[-2000:]
     assert "Traceback" not in huge.stderr
 
 
+@pytest.mark.slow
 def test_attention_benchmark_flags_are_named_one_by_one(tmp_path):
     bench = [sys.executable, str(ROOT / "ch02-attention" / "attention_bench.py")]
-    for flags, message in ((["--d-model", "10", "--n-heads", "4"], "--d-model 10 must be a multiple of --n-heads 4"),
-                           (["--warmup", "0"], "--warmup must be at least 1, got 0"),
-                           (["--threads", "0"], "--threads must be at least 1, got 0"),
-                           (["--n-kv-heads", "0"], "--n-kv-heads must be at least 1, got 0"),
-                           (["--out", str(tmp_path / "plot")], "the plot is a PNG: give a file name ending in .png")):
+    for flags, message in ((["--d-model", "10", "--n-heads", "4"], r"--d-model 10 .*--n-heads 4"),
+                           (["--warmup", "0"], r"--warmup .*\b0$"),
+                           (["--threads", "0"], r"--threads .*\b0$"),
+                           (["--n-kv-heads", "0"], r"--n-kv-heads .*\b0$"),
+                           (["--out", str(tmp_path / "plot")], r"--out \S+plot: .*\.png")):
         result = run_process([*bench, *flags], timeout=120)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert result.returncode == 2 and re.search("error: .*" + message, result.stderr, re.M), result.stderr
 
 
 def test_two_outputs_of_a_data_script_on_one_path_are_refused(tmp_path, capsys):
     main = script("preferences_data").main
     same = str(tmp_path / "same.json")
     assert exits(main, ["--preferences", same, "--choices", same]) == 2
-    assert f"--preferences and --choices are both {same}: writing --choices would replace the file --preferences " \
-           f"writes" in capsys.readouterr().err
+    assert f"--preferences and --choices are both {same}" in capsys.readouterr().err
     instructions = str(tmp_path / "instructions.json")
     shutil.copy(ROOT / "llmscratch" / "assets" / "instructions.json", instructions)
     assert exits(main, ["--instructions", instructions, "--preferences", instructions,
                         "--choices", str(tmp_path / "c.json")]) == 2
-    assert "writing --preferences would replace the file --instructions reads" in capsys.readouterr().err
+    assert re.search(r"error: .*--preferences.* --instructions", capsys.readouterr().err)
     assert not (tmp_path / "same.json").exists() and not (tmp_path / "c.json").exists()
     status = exits(script("tokenizer").main, ["--input", instructions, "--out", instructions])
-    assert status == 2 and "writing --out would replace the file --input reads" in capsys.readouterr().err
+    assert status == 2 and re.search(r"error: .*--out.* --input", capsys.readouterr().err)
 
 
 def test_resuming_a_finished_run_changes_nothing_and_says_so(tmp_path, finished_run, capsys):
@@ -522,8 +512,7 @@ def test_resuming_a_finished_run_changes_nothing_and_says_so(tmp_path, finished_
     before = snapshot(run)
     for steps in ("4", "2"):  # as many steps as it has, or fewer
         assert run_main(["--out-dir", str(run), "--resume", "--max-steps", steps]) == 2
-        assert (f"cannot resume: the checkpoint is at step 4, and max_steps is {steps}: there is nothing left to "
-                f"train; a larger max_steps (pretrain.py: --max-steps) continues the run") in capsys.readouterr().err
+        assert re.search(rf"cannot resume: .*step 4, .*max_steps is {steps}: .*--max-steps", capsys.readouterr().err)
     assert snapshot(run) == before  # its summary, sample and flags are the finished run's
 
 
@@ -536,8 +525,7 @@ def test_the_memory_planner_refuses_more_blocks_than_it_can_list(capsys):
 
 
 def test_instruction_data_asked_for_more_than_a_family_holds_fails_at_once(tmp_path):
-    with pytest.raises(ValueError, match=r"family 'reverse_letters' has only \d+ distinct records, fewer than "
-                                         r"1000000000000"):
+    with pytest.raises(ValueError, match=r"family 'reverse_letters' .*\d+ distinct records.* 1000000000000"):
         tasks.make_records(10**12, seed=0)  # (it drew 10**14 times before giving up)
 
 
@@ -565,36 +553,26 @@ def test_an_input_that_is_not_a_file_is_named_for_what_it_is(tmp_path, base, cap
 
 
 # =========================================================================== a rank that dies
-KILLED_RANK = """
-import os, runpy, signal, sys
-from llmscratch.train import Trainer
-
-record = Trainer._record
-
-def record_then_die(self, *args):
-    record(self, *args)
-    if self.step == 3 and self.dist.rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-Trainer._record = record_then_die
-sys.argv[0] = {script!r}
-runpy.run_path({script!r}, run_name="__main__")
+RANK_1_DIES_AT_STEP_3 = """
+if self.step == 3 and self.dist.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_the_survivors_of_a_killed_rank_say_so_and_where_to_resume(tmp_path):
     """Two one-process "nodes" (as on two machines, where no launcher kills the survivor): rank 1 dies at step 3."""
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-    (tmp_path / "killing.py").write_text(KILLED_RANK.format(script=str(ROOT / "ch04-pretraining" / "pretrain.py")))
+    killing = pretrain_with_hook(tmp_path / "killing.py", RANK_1_DIES_AT_STEP_3)
     flags = ["--device", "cpu", "--data", str(tmp_path / "text.txt"), "--out-dir", str(tmp_path / RUN),
-             "--max-steps", "10", "--checkpoint-interval", "2", "--no-progress", *TINY]
+             "--max-steps", "10", "--checkpoint-interval", "2", "--no-progress", *PRETRAIN_FLAGS]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = str(29400 + os.getpid() % 500)
 
     def node(rank: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port,
-                str(tmp_path / "killing.py"), *flags]
+                str(killing), *flags]
 
     survivor = subprocess.Popen(node(0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
@@ -605,7 +583,7 @@ def test_the_survivors_of_a_killed_rank_say_so_and_where_to_resume(tmp_path):
         if survivor.poll() is None:
             os.killpg(survivor.pid, signal.SIGKILL)
     assert killed.returncode != 0
-    assert re.search(r"error: process 0 stops: another process of this run has died \(see its own output; .*(closed|reset)"
-                     r" by peer.*\); --resume --out-dir \S+ restarts from step 2, its last checkpoint", stderr), stderr
+    assert re.search(r"error: process 0 stops: .*(closed|reset) by peer.*--resume --out-dir \S+ .*step 2",
+                     stderr), stderr
     assert "[rank0]: Traceback" not in stderr  # (the launcher's own report of a failed worker follows it)
     assert load_checkpoint(tmp_path / RUN / "checkpoint.pt")["step"] == 2

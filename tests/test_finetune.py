@@ -15,12 +15,13 @@ from llmscratch.classify import (  # noqa: E402
     Classifier, GPTClassifier, balanced_splits, classification_loss, classification_metrics,
     evaluate_classifier, make_batches, pad_batch, spam_splits,
 )
+from llmscratch.config import LoRAConfig  # noqa: E402
 from llmscratch.finetune import FinetuneConfig, fit, load_base, set_trainable  # noqa: E402
 from llmscratch.instruct import (  # noqa: E402
     HEADER, IGNORE_INDEX, Response, collate, comparison_table, encode_records, evaluate_responses, format_prompt,
     lm_loss, parse_response, respond, response_loss, validate_records,
 )
-from llmscratch.lora import LoRAConfig, apply_lora, lora_layers  # noqa: E402
+from llmscratch.lora import apply_lora, lora_layers  # noqa: E402
 from llmscratch.model import count_parameters  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer  # noqa: E402
@@ -63,8 +64,7 @@ def test_balanced_splits_are_balanced_disjoint_and_seeded():
 
 def test_too_few_of_a_class_is_named_before_any_split_is_empty():
     examples = [(f"ham {i}", 0) for i in range(40)] + [(f"spam {i}", 1) for i in range(9)]
-    with pytest.raises(ValueError, match=r"too few examples: 40 ham and 9 spam \(distinct texts\); every class "
-                                         r"needs at least 10"):
+    with pytest.raises(ValueError, match=r"40 ham and 9 spam .*10"):
         balanced_splits(examples, names=("ham", "spam"))
     splits = balanced_splits(examples + [("spam 9", 1)])  # ten of each: one validation example of each
     assert [sorted(label for _, label in splits[name]) for name in ("validation", "test")] == [[0, 1], [0, 0, 1, 1]]
@@ -158,7 +158,7 @@ def test_a_nan_loss_stops_finetuning_as_it_stops_pretraining():
     before = {name: p.clone() for name, p in model.state_dict().items()}
     batches = lambda epoch: make_batches([([1, 2, 3], 0), ([4, 5], 1)], 2, 0, 32)  # noqa: E731
     nan_loss = lambda model, batch: classification_loss(model, batch) * float("nan")  # noqa: E731
-    with pytest.raises(TrainingDiverged, match=r"^step 1: loss nan, gradient norm nan; try a lower learning rate"):
+    with pytest.raises(TrainingDiverged, match=r"^step 1: loss nan, gradient norm nan"):
         fit(model, batches, nan_loss, FinetuneConfig(epochs=1), torch.device("cpu"), progress=False)
     assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())  # no update was made
 
@@ -253,7 +253,7 @@ def test_load_base_takes_every_source_generate_takes(tmp_path):
     tokenizer.save(tmp_path / "tokenizer.json")
     assert load_base(run, tokenizer_path=tmp_path / "tokenizer.json")[1].merges == tokenizer.merges
     BPETokenizer.gpt2().save(tmp_path / "gpt2.json")
-    with pytest.raises(ValueError, match="the tokenizer has 50,257 tokens but the model only 262"):
+    with pytest.raises(ValueError, match="50,257 .*262"):
         load_base(run, tokenizer_path=tmp_path / "gpt2.json")
 
 
@@ -310,8 +310,7 @@ def test_collate_on_a_hand_checked_batch():
 
 def test_a_row_left_without_targets_is_an_error_not_a_nan():
     examples = [([5, 6], [8]), ([5, 6, 7, 7, 7], [9])]  # the second prompt fills max_length=4
-    with pytest.raises(ValueError, match=r"row 1 of the batch: its prompt of 5 tokens leaves no output token "
-                                         r"within max_length=4"):
+    with pytest.raises(ValueError, match=r"row 1 .* 5 tokens .*max_length=4"):
         collate(examples, eos_id=0, mask_prompt=True, max_length=4)
     inputs, targets = collate(examples, eos_id=0, mask_prompt=True, max_length=5)  # one target left: fine
     assert targets[1].tolist() == [-100, -100, -100, -100, 9]
@@ -323,8 +322,8 @@ def test_encode_records_refuses_records_that_do_not_fit_whole():
                {"instruction": "Say ab, please.", "input": "x" * 50, "output": "ab"}]
     prompt_0, prompt_1 = (len(format_prompt(r).encode()) for r in records)
     assert [len(p) for p, _ in encode_records(records, tokenizer, context_length=prompt_1 + 2)] == [prompt_0, prompt_1]
-    with pytest.raises(ValueError, match=rf"1 record\(s\) do not fit the model's context_length={prompt_1 + 1} .*"
-                                         rf"record 1 \('Say ab, please\.'\): prompt {prompt_1} \+ output 2 \+ 1"):
+    with pytest.raises(ValueError, match=rf"context_length={prompt_1 + 1} .*record 1 \('Say ab, please\.'\): "
+                                         rf"prompt {prompt_1} \+ output 2 \+ 1"):
         encode_records(records, tokenizer, context_length=prompt_1 + 1)  # its end-of-text would be cut
 
 

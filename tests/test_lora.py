@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.lora import LoRAConfig, LoRALinear, apply_lora, load_adapters, lora_layers, merge_lora, save_adapters
+from llmscratch.config import LoRAConfig
+from llmscratch.lora import LoRALinear, apply_lora, load_adapters, lora_layers, merge_lora, save_adapters
 from llmscratch.model import GPT, GPTConfig, count_parameters
 
 TINY = {

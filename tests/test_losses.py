@@ -127,7 +127,7 @@ def test_model_loss_with_targets_matches_the_logits_path(kind):
     torch.testing.assert_close(fused, explicit, rtol=1e-12, atol=0)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
-    with pytest.raises(ValueError, match="targets must have the shape"):
+    with pytest.raises(ValueError, match=r"targets must have shape \(\d+,\), got"):
         model(idx, targets=targets[:, :-1])
 
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from llmscratch.config import FinetuneConfig, TrainConfig
+from llmscratch.config import FinetuneConfig, LoRAConfig, TrainConfig
 from llmscratch.finetune import fit
 from llmscratch.instruct import format_prompt
-from llmscratch.lora import LoRAConfig, adapters_disabled, apply_lora, lora_layers
+from llmscratch.lora import adapters_disabled, apply_lora, lora_layers
 from llmscratch.losses import IGNORE_INDEX
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.optim import OptimizerStep
@@ -302,6 +302,7 @@ def test_lora_dpo_raises_preference_accuracy_and_trains_only_the_adapters():
 
 
 # =========================================================================== full weights: a frozen copy
+@pytest.mark.slow
 def test_full_weight_dpo_trains_the_policy_and_leaves_the_reference_frozen():
     policy = tiny("llama", seed=7)
     reference = ReferenceModel(policy)
@@ -355,14 +356,14 @@ def test_dpo_loss_keeps_each_batchs_metrics_until_taken():
 @pytest.mark.parametrize("beta", [0, -0.1, float("nan"), float("inf"), "0.1"])
 def test_beta_must_be_a_positive_finite_number(beta):
     logprobs = [torch.zeros(2)] * 4
-    with pytest.raises(ValueError, match=f"beta must be a positive finite number.*got {beta!r}"):
+    with pytest.raises(ValueError, match=f"beta .*got {beta!r}"):
         dpo_loss(*logprobs, beta)
     with pytest.raises(ValueError, match="beta"):
         DPOLoss(None, beta)  # checked when the loss is made, not at the first step
 
 
 def test_bad_label_smoothing_and_shapes_are_clear_errors():
-    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\).*got 0.5"):
+    with pytest.raises(ValueError, match=r"label_smoothing .*\[0, 0.5\).*got 0.5"):
         dpo_loss(*[torch.zeros(2)] * 4, 0.1, label_smoothing=0.5)
     with pytest.raises(ValueError, match=r"four \(B,\) tensors"):
         dpo_loss(torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(2), 0.1)
@@ -374,16 +375,16 @@ def test_empty_or_missing_responses_are_clear_errors():
         validate_pairs([good, {**good, "chosen": "  "}])
     with pytest.raises(ValueError, match="record 0: field 'rejected' is missing"):
         validate_pairs([{k: v for k, v in good.items() if k != "rejected"}])
-    with pytest.raises(ValueError, match="record 0: field 'rejected' must be a string, got int 3"):
+    with pytest.raises(ValueError, match="record 0: field 'rejected' .*int 3"):
         validate_pairs([{**good, "rejected": 3}])
     with pytest.raises(ValueError, match="record 0: field 'instruction' is empty"):
         validate_pairs([{**good, "instruction": ""}])
-    with pytest.raises(ValueError, match=r"pair 1: its rejected response is empty \(\[\]\)"):
+    with pytest.raises(ValueError, match=r"pair 1: .*rejected .*\(\[\]\)"):
         collate_pairs([([1, 2], [3], [4]), ([1, 2], [3], [])], eos_id=96)
     batch = collate_pairs([([1, 2], [3], [4])], eos_id=96)
     with pytest.raises(ValueError, match="row 1 has no response token"):
         sequence_logprobs(tiny(), batch.inputs, batch.targets.index_fill(0, torch.tensor([1]), IGNORE_INDEX))
-    with pytest.raises(ValueError, match="no precomputed reference_logprobs and no reference model"):
+    with pytest.raises(ValueError, match="reference_logprobs .*reference model"):
         dpo_step_loss(tiny(), None, batch, 0.1)
 
 

@@ -1,10 +1,21 @@
-"""llmscratch.profiling: the CPU peak-memory replay against allocations of known size, and the timers."""
+"""llmscratch.profiling: the CPU peak-memory replay against allocations of known size, the timers, and what the
+bench scripts print beside them (the device, the attention kernels, a failed allocation)."""
 
 import time
 
 import torch
+import torch.nn.functional as F
 
-from llmscratch.profiling import peak_memory_bytes, round_robin, time_once
+from llmscratch.profiling import (
+    backward_step,
+    device_description,
+    failed_allocation,
+    peak_memory_bytes,
+    round_robin,
+    sdpa_kernels,
+    time_once,
+    time_steps,
+)
 
 
 def test_peak_memory_counts_what_a_step_holds_at_once():
@@ -35,3 +46,49 @@ def test_round_robin_runs_each_candidate_once_a_round_in_order():
 
 def test_time_once_measures_the_call():
     assert 0.02 <= time_once(lambda: time.sleep(0.02)) < 5
+
+
+def test_time_steps_warms_up_then_times_round_robin():
+    calls = []
+    measured = time_steps({"a": lambda: calls.append("a"), "b": lambda: calls.append("b") or time.sleep(0.01)},
+                          rounds=3, warmup=2)
+    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3  # each warmed up in turn, then interleaved
+    (first_a, median_a), (first_b, median_b) = measured["a"], measured["b"]
+    assert 0 <= first_a < 0.01 <= first_b and 0 <= median_a < 0.01 <= median_b < 5
+
+
+def test_backward_step_backpropagates_then_drops_every_gradient():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3, requires_grad=True)
+    seen = []
+    module.weight.register_hook(lambda grad: seen.append(grad.clone()))
+    step = backward_step(module, (x,), torch.ones(4, 2))
+    step()
+    step()
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])  # the second step starts from no gradient too
+    assert torch.allclose(seen[0], torch.ones(2, 4) @ x.detach())
+    assert module.weight.grad is None and module.bias.grad is None and x.grad is None
+
+
+def test_device_description_names_torch_and_the_cpu():
+    text = device_description("cpu")
+    assert text.startswith(f"torch {torch.__version__} on cpu (") and text.endswith(f", {torch.get_num_threads()} "
+                                                                                    "threads)")
+
+
+def test_failed_allocation_names_the_size_asked_for():
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 52428800000 bytes. Error code 12 (Cannot allocate memory)")
+    assert failed_allocation(cpu) == "52428800000 bytes"
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity")
+    assert failed_allocation(cuda) == "2.50 GiB"
+    assert failed_allocation(torch.OutOfMemoryError("out of memory")) == ""
+    assert failed_allocation(RuntimeError("shapes cannot be multiplied")) is None
+
+
+def test_sdpa_kernels_names_what_attention_dispatched_to():
+    q = torch.randn(1, 2, 8, 4)  # (B, nh, T, hs)
+    kernels = sdpa_kernels(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert kernels and all(name.startswith("aten::_scaled_dot_product") for name in kernels)
+    assert sdpa_kernels(lambda: q @ q.transpose(-2, -1)) == []

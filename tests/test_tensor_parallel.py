@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from processes import run, spawn
-from tiny_training import DESIGNS, TEXT, JointBatches, losses, make_trainer, model_config, tokens
+from tiny_training import DESIGNS, PRETRAIN, TEXT, JointBatches, StopAfter, losses, make_trainer, model_config, tokens
 from tolerances import assert_adamw_runs_agree
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,7 +32,6 @@ from llmscratch.model import GPT
 from llmscratch.parallel import fused_qkv_state, local_bytes
 from llmscratch.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 # A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
 SETTINGS = dict(batch_size=4, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,
                 checkpoint_interval=3, eval_tokens=128, final_eval_tokens=400, parallel="tp")
@@ -55,15 +54,6 @@ def full_optimizer(trainer: Trainer) -> dict[str, torch.Tensor]:
     fused = {kind: fused_qkv_state({name: entries[kind] for name, entries in state.items()}) for kind in kinds}
     return copy.deepcopy({f"{name}.{kind}": value for kind, tensors in fused.items()
                           for name, value in tensors.items()})
-
-
-class StopAfter(Trainer):
-    """A Trainer that asks to stop after step 3 (as SIGTERM would)."""
-
-    def _record(self, *args) -> None:
-        super()._record(*args)
-        if self.step == 3:
-            self.request_stop()
 
 
 def tp_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
@@ -136,6 +126,7 @@ def single_run(out: Path, name: str, steps: int, **settings) -> Trainer:
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", list(DESIGNS))
+@pytest.mark.slow
 def test_tp_matches_one_process_with_the_same_batch(tp_runs, name):
     out, ranks = tp_runs
     result = ranks[0][name]
@@ -157,6 +148,7 @@ def test_tp_matches_one_process_with_the_same_batch(tp_runs, name):
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.slow
 def test_fsdp_tp_matches_one_process(tp_runs, mesh):
     out, ranks = tp_runs
     result = ranks[0][mesh]
@@ -173,6 +165,7 @@ def test_fsdp_tp_matches_one_process(tp_runs, mesh):
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("mesh", list(BFLOAT16))
+@pytest.mark.slow
 def test_bfloat16_under_tensor_parallelism_trains_close_to_float32(tp_runs, mesh):
     _, ranks = tp_runs
     mixed, exact = ranks[0][f"{mesh} bfloat16"]["losses"], ranks[0]["llama"]["losses"][:3]
@@ -200,6 +193,7 @@ def mesh_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     """4 processes: tp groups {0, 1} and {2, 3} each split the heads; FSDP shards both halves over the 2 groups."""
     spawn(mesh_worker, (4, str(tmp_path / "store"), str(tmp_path)), nprocs=4, timeout=400)
@@ -223,6 +217,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", list(DESIGNS))
+@pytest.mark.slow
 def test_each_rank_holds_what_the_planner_says(tp_runs, name):
     _, ranks = tp_runs
     config = model_config(**DESIGNS[name])
@@ -239,6 +234,7 @@ def test_each_rank_holds_what_the_planner_says(tp_runs, name):
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", list(DESIGNS))
+@pytest.mark.slow
 def test_tp_checkpoints_resume_exactly(tp_runs, name):
     out, ranks = tp_runs
     result = ranks[0][name]
@@ -287,7 +283,7 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_training(tmp_pa
 
 
 def test_tp_settings_are_checked_in_the_config():
-    with pytest.raises(ConfigError, match="tp is the group size of --parallel fsdp\\+tp and must be 1"):
+    with pytest.raises(ConfigError, match=r"tp .*--parallel fsdp\+tp.* 1"):
         TrainConfig(parallel="fsdp", tp=2)
     with pytest.raises(ConfigError, match="tp must be a positive integer"):
         TrainConfig(parallel="fsdp+tp", tp=0)
@@ -298,10 +294,9 @@ def test_tp_settings_are_checked_in_the_config():
 @pytest.mark.timeout(300)
 def test_the_script_refuses_a_bad_mesh_before_training(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT[:5000], encoding="utf-8")
-    result = run([sys.executable, str(ROOT / "ch04-pretraining" / "pretrain.py"), "--data", str(tmp_path / "text.txt"),
-                  "--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--device", "cpu",
-                  "--out-dir", str(tmp_path / "run"), "--parallel", "fsdp+tp", "--tp", "2", "--no-progress"],
-                 timeout=240)
+    result = run([sys.executable, str(PRETRAIN), "--data", str(tmp_path / "text.txt"), "--tokenizer", "bpe:300",
+                  "--preset", "llama-tiny", "--context-length", "16", "--device", "cpu", "--out-dir",
+                  str(tmp_path / "run"), "--parallel", "fsdp+tp", "--tp", "2", "--no-progress"], timeout=240)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "tp=2 does not divide world_size=1" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "checkpoint").exists()

@@ -298,7 +298,7 @@ def corrupt(path, transform):
 
 @pytest.mark.parametrize("transform, message", [
     (lambda s: s[: len(s) // 2], "not a tokenizer file"),
-    (lambda s: s.replace('"version": 1', '"version": 7'), "has version 7; this llmscratch reads version 1"),
+    (lambda s: s.replace('"version": 1', '"version": 7'), "version 7.* version 1"),
     (lambda s: s.replace('"format": "llmscratch-bpe"', '"format": "other"'), "not an llmscratch-bpe file"),
     (lambda s: s.replace('"merges"', '"merged"'), "corrupt tokenizer file"),
     (lambda s: s.replace("[32, 116,", "[32, 99999,", 1), "corrupt tokenizer file"),

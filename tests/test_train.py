@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint
-from llmscratch.evaluation import bits_per_byte, evaluate, evaluating, token_byte_lengths
-from llmscratch.flops import cpu_peak_flops, gpu_peak_flops
 from llmscratch.device import choose_dtype
+from llmscratch.evaluation import bits_per_byte, evaluate, token_byte_lengths
+from llmscratch.flops import cpu_peak_flops, gpu_peak_flops
+from llmscratch.model import evaluating
 from llmscratch.train import TrainConfig, TrainingDiverged, configure_optimizer, learning_rate
 from tiny_training import losses, make_trainer, model_config, tokenizer, tokens
 from tolerances import assert_adamw_runs_agree

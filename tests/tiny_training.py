@@ -1,9 +1,12 @@
 """A tiny training setup shared by the training, checkpoint and distributed tests (not a test file).
 
-A 300-token BPE and a two-layer Llama-style model of 32 dimensions: a step takes milliseconds.
+A 300-token BPE and a two-layer Llama-style model of 32 dimensions: a step takes milliseconds. Also the
+same size of run for ch04-pretraining/pretrain.py, and that script with a hook after each step.
 """
 
 import functools
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,6 +19,10 @@ from llmscratch.train import TrainConfig, Trainer
 
 TEXT = read_moby_dick()[:40_000]
 SPLIT = 36_000  # characters: the rest is the validation text
+PRETRAIN = Path(__file__).resolve().parents[1] / "ch04-pretraining" / "pretrain.py"
+# pretrain.py's flags for a run of about this size (with --data, --out-dir and --max-steps of the test's own).
+PRETRAIN_FLAGS = ["--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--batch-size", "2",
+                  "--eval-tokens", "128", "--final-eval-tokens", "256", "--peak-tflops", "1", "--no-progress"]
 
 
 @functools.cache
@@ -65,6 +72,42 @@ def make_trainer(out_dir, model_overrides: dict | None = None, dist_info=None, *
 
 def losses(trainer: Trainer) -> list[float]:
     return [record["loss"] for record in trainer.history]
+
+
+class StopAfter(Trainer):
+    """A Trainer that asks to stop after step ``stop_at`` (as SIGTERM would): ``trainer.__class__ = StopAfter``."""
+
+    stop_at = 3
+
+    def _record(self, *args) -> None:
+        super()._record(*args)
+        if self.step == self.stop_at:
+            self.request_stop()
+
+
+# pretrain.py run as itself, but with {hook} run after each step is recorded (``self`` the Trainer).
+HOOKED_PRETRAIN = """
+import os, runpy, signal, sys, time
+from pathlib import Path
+from llmscratch.train import Trainer
+
+record = Trainer._record
+
+def record_then_hook(self, *args):
+    record(self, *args)
+{hook}
+
+Trainer._record = record_then_hook
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def pretrain_with_hook(path: Path, hook: str) -> Path:
+    """Write at ``path`` a script that is pretrain.py with ``hook`` (source) run after each recorded step."""
+    path.write_text(HOOKED_PRETRAIN.format(hook=textwrap.indent(textwrap.dedent(hook), "    "), script=str(PRETRAIN)),
+                    encoding="utf-8")
+    return path
 
 
 class JointBatches:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from llmscratch.atomic import write_text_atomically
+from llmscratch.corpus import parse_json_lines
 
 ASSETS_DIR = Path(__file__).resolve().parent
 GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"  # GPT-2 byte-level BPE ranks (MIT)
@@ -34,8 +35,7 @@ def read_moby_dick() -> str:
 
 def read_pretraining_metrics() -> list[dict[str, float]]:
     """The per-step metrics of the run that made ``PRETRAINED_PATH`` (see ``PRETRAINED_METRICS_PATH``)."""
-    lines = PRETRAINED_METRICS_PATH.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return parse_json_lines(PRETRAINED_METRICS_PATH.read_text(encoding="utf-8"), PRETRAINED_METRICS_PATH)
 
 
 def read_instructions() -> list[dict[str, str]]:
@@ -62,6 +62,11 @@ def read_instruction_model_answers() -> dict:
 def dumps_records(records: list[dict]) -> str:
     """A JSON list written one record per line: readable diffs, still plain JSON (the generated files' layout)."""
     return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]\n"
+
+
+def dumps_answers(content: dict) -> str:
+    """The answers file (``read_instruction_model_answers``) in its layout: the model, then one answer per line."""
+    return '{"model": ' + json.dumps(content["model"]) + ',\n"answers": ' + dumps_records(content["answers"]) + "}\n"
 
 
 def first_difference(path: Path, expected: list[dict]) -> str | None:

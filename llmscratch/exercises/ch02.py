@@ -25,7 +25,8 @@ WRAPPED_HINT = ("your module changed the MultiHeadAttention it wraps: read its w
                 "attention.out_proj), never replace or modify them")
 DECODING_HINTS = {
     "start_pos": "with a KV cache, x's tokens sit at positions start_pos .. start_pos + T - 1: rotate q and k "
-                 "there, append k and v with kv_cache.update(k, v, start_pos), and mask by those positions",
+                 "there, store k and v at those positions with kv_cache.write(k, v, positions) (it returns the "
+                 "whole cache), and hide every key after its query's position",
     "input_pos": "generate's decoding steps pass input_pos, the positions (T,) as a tensor: rotate q and k there, "
                  "store k and v with kv_cache.write(k, v, input_pos) (it returns the whole cache), and hide "
                  "every key after its query's position",

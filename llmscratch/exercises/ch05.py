@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from llmscratch.classify import GPTClassifier, classification_metrics
-from llmscratch.config import FinetuneConfig
+from llmscratch.config import FinetuneConfig, LoRAConfig
 from llmscratch.exercises.ch05_references import choice_logprobs, early_stop, instruction_rows, lora_lookup
 from llmscratch.exercises.checking import Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal
 from llmscratch.exercises.fixtures import (VOCAB, build_module, decoded, flat_parameters, lm_backward, tiny_gpt,
                                            token_ids)
 from llmscratch.finetune import fit
 from llmscratch.instruct import IGNORE_INDEX, collate, lm_loss
-from llmscratch.lora import LoRAConfig, LoRALinear, apply_lora, lora_layers
+from llmscratch.lora import LoRALinear, apply_lora, lora_layers
 from llmscratch.model import GPT
 
 CHAPTER = Chapter("ch05", "Finetuning: a spam classifier, an instruction follower and LoRA")

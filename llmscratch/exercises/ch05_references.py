@@ -6,9 +6,8 @@ each function is the plain computation, and each keyword switch one usual slip.
 
 import torch
 
-from llmscratch.evaluation import evaluating
 from llmscratch.instruct import IGNORE_INDEX
-from llmscratch.model import GPT
+from llmscratch.model import GPT, evaluating
 
 __all__ = ["choice_logprobs", "early_stop", "instruction_rows", "lora_lookup"]
 

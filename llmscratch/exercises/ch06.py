@@ -1,4 +1,4 @@
-"""Chapter 6's exercises: alignment, checked against ``llmscratch.preference`` and ``llmscratch.evaluation``.
+"""Chapter 6's exercises: alignment, checked against ``llmscratch.preference`` and ``llmscratch.metrics``.
 
 Write it yourself: the watched numbers of a DPO run (reward accuracy, margin, log-ratio per token), a
 Wilson interval, the log-probability of each response with its prompt masked, the DPO loss and rewards
@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from llmscratch.evaluation import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
+from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
 from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, normal_interval,
                                                   response_logprobs64, simpo_loss64, wilson64)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,

@@ -83,10 +83,8 @@ def attend(attention, q, k, v, rope, kv_cache, start_pos, input_pos, window=None
     positions = input_pos if input_pos is not None else torch.arange(start_pos, start_pos + seq_len)  # (T,)
     if rope is not None:
         q, k = rope(q, positions=positions), rope(k, positions=positions)
-    if input_pos is not None:
-        k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs): the whole cache, S = its max_seq_len
-    elif kv_cache is not None:
-        k, v = kv_cache.update(k, v, start_pos)  # (B, n_kv, S, hs), S = start_pos + T
+    if kv_cache is not None:
+        k, v = kv_cache.write(k, v, positions)  # (B, n_kv, S, hs): the whole cache, S = its max_seq_len
     distance = positions[:, None] - torch.arange(k.size(-2))  # (T, S): how far back each key is
     allowed = distance >= 0  # (T, S): no key after its query, so no cache slot not written yet either
     if window is not None:

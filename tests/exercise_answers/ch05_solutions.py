@@ -11,8 +11,8 @@ import functools
 import torch
 from torch import nn
 
-from llmscratch.evaluation import evaluating
 from llmscratch.instruct import IGNORE_INDEX
+from llmscratch.model import evaluating
 from llmscratch.optim import OptimizerStep
 
 # %% last_token_logits

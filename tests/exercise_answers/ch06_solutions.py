@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmscratch.evaluation import rouge_tokens
+from llmscratch.metrics import rouge_tokens
 from llmscratch.instruct import IGNORE_INDEX
 from llmscratch.preference import sequence_logprobs
 

@@ -15,7 +15,7 @@ from rouge_score import rouge_scorer
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
-from llmscratch.evaluation import (
+from llmscratch.metrics import (
     bleu,
     exact_match,
     mean_rouge_l,

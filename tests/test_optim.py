@@ -141,7 +141,7 @@ def test_muon_trains_the_blocks_matrices_and_adamw_the_rest(preset):
 
 
 def test_muon_refuses_a_vector_group_and_a_bad_momentum():
-    with pytest.raises(ValueError, match=r"2-D weight matrices; a muon group holds shapes \[\(3,\)\]"):
+    with pytest.raises(ValueError, match=r"2-D .*shapes \[\(3,\)\]"):
         Muon([{"params": [nn.Parameter(torch.ones(3))], "muon": True}])
     with pytest.raises(ValueError, match="momentum must be in"):
         Muon([nn.Parameter(torch.ones(3, 3))], momentum=1.0)

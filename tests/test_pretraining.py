@@ -6,24 +6,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.data import prepare_token_files
+from llmscratch.corpus import prepare_token_files
 from llmscratch.tokenizer import BPETokenizer
-from tiny_training import TEXT
+from processes import start_until_lines
+from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "ch04-pretraining" / "pretrain.py"
-_spec = importlib.util.spec_from_file_location("pretrain", SCRIPT)
+_spec = importlib.util.spec_from_file_location("pretrain", PRETRAIN)
 pretrain = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pretrain)
-
-TINY = ["--tokenizer", "bpe:300", "--preset", "llama-tiny", "--context-length", "16", "--batch-size", "2",
-        "--eval-tokens", "128", "--final-eval-tokens", "256", "--peak-tflops", "1", "--no-progress"]
 
 
 @pytest.fixture
@@ -33,9 +29,10 @@ def text_file(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file, capsys):
     out = tmp_path / "run"
-    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "4", *TINY]) == 0
+    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "4", *PRETRAIN_FLAGS]) == 0
     printed = capsys.readouterr().out
     assert "done in" in printed and "bits per byte" in printed
     for name in ("checkpoint.pt", "model.safetensors", "tokenizer.json", "run.json", "metrics.jsonl", "loss.png",
@@ -57,17 +54,18 @@ def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file
     assert json.loads((out / "run.json").read_text())["max_steps"] == 6
     # A finished run is not silently overwritten.
     with pytest.raises(SystemExit) as exit_info:
-        pretrain.main(["--data", str(text_file), "--out-dir", str(out), *TINY])
+        pretrain.main(["--data", str(text_file), "--out-dir", str(out), *PRETRAIN_FLAGS])
     assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
     assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--overwrite",
-                          *TINY]) == 0
+                          *PRETRAIN_FLAGS]) == 0
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
 
 
+@pytest.mark.slow
 def test_a_run_from_before_the_mlp_flag_resumes_with_its_presets_mlp(tmp_path, text_file):
     out = tmp_path / "run"
     assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--mlp", "preset",
-                          *TINY]) == 0
+                          *PRETRAIN_FLAGS]) == 0
     flags = json.loads((out / "run.json").read_text())
     del flags["mlp"]  # run.json as the script wrote it before issue 18 added --mlp (default relu2)
     (out / "run.json").write_text(json.dumps(flags))
@@ -76,23 +74,17 @@ def test_a_run_from_before_the_mlp_flag_resumes_with_its_presets_mlp(tmp_path, t
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 3 and resumed.config.mlp == "swiglu"
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_file):
     """Bitwise on CPU in float32: the same per-step losses as a run that was never interrupted."""
     def command(out_dir, *extra):
-        return [sys.executable, str(SCRIPT), "--data", str(text_file), "--out-dir", str(out_dir), "--max-steps",
+        return [sys.executable, str(PRETRAIN), "--data", str(text_file), "--out-dir", str(out_dir), "--max-steps",
                 "300", "--checkpoint-interval", "5", "--eval-interval", "1000", "--sample-interval", "1000",
-                *TINY, *extra]
+                *PRETRAIN_FLAGS, *extra]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: the same float sums
-    run = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 300  # a hang fails here, with the run killed, not at CI's limit
-    while run.poll() is None and (not metrics.is_file() or metrics.read_text().count("\n") < 7):
-        if time.monotonic() > deadline:
-            run.kill()
-            raise AssertionError(f"no 7 logged steps after 300 s: {run.communicate()[1][-4000:]}")
-        time.sleep(0.05)
+    run = start_until_lines(command(tmp_path / "killed"), metrics, lines=7, timeout=300, env=env)
     assert run.poll() is None, f"the run ended before it could be killed: {run.stderr.read()}"
     run.send_signal(signal.SIGKILL)
     run.wait(timeout=60)
@@ -115,31 +107,34 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_fil
             == json.loads((tmp_path / "straight" / "summary.json").read_text())["val_loss"])
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file or folder"),
-    (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
-    (["--batch-size", "-2"], "--batch-size must be a positive integer, got -2"),
-    (["--lr", "-1"], "--lr must be positive, got -1.0"),
-    (["--lr", "0"], "--lr must be positive, got 0.0"),
-    (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1, got 1.5"),
-    (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
-    (["--preset", "gpt5"], "argument --preset: invalid choice: 'gpt5'"),
-    (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
-    (["--device", "cuda:99"], "--device: device 'cuda:99'"),
-    (["--device", "toaster"], "--device: device 'toaster' is not a device name"),
-    (["--tokenizer", "bpe:10"], "--tokenizer bpe:10: expected bpe:N with N >= 257"),
-    (["--tokenizer", "missing.json"], "--tokenizer missing.json: not bpe:N, gpt2, or an existing tokenizer JSON"),
-    (["--context-length", "1"], "--context-length must be at least 2, got 1"),
-    (["--time-budget", "0"], "--time-budget must be positive, got 0.0"),
-    (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
-    (["--min-lr", "0.1"], "--min-lr must be at most lr=0.002, got 0.1"),
-    (["--final-eval-tokens", "0"], "--final-eval-tokens must be a positive integer, got 0"),
+# The error line names the flag and the value given (and the bound it broke, where the rule has one).
+@pytest.mark.parametrize(("flags", "bound"), [
+    (["--data", "no/such/file.txt"], None),
+    (["--max-steps", "0"], None),
+    (["--batch-size", "-2"], None),
+    (["--lr", "-1"], None),
+    (["--lr", "0"], None),
+    (["--val-fraction", "1.5"], None),
+    (["--dtype", "float8"], None),
+    (["--preset", "gpt5"], None),
+    (["--max-steps", "ten"], None),
+    (["--device", "cuda:99"], None),
+    (["--device", "toaster"], None),
+    (["--tokenizer", "bpe:10"], "257"),
+    (["--tokenizer", "missing.json"], None),
+    (["--context-length", "1"], "2"),
+    (["--time-budget", "0"], None),
+    (["--peak-tflops", "0"], None),
+    (["--min-lr", "0.1"], "lr=0.002"),
+    (["--final-eval-tokens", "0"], None),
 ])
-def test_bad_flags_stop_before_training_with_a_clear_message(tmp_path, text_file, capsys, flags, message):
+def test_bad_flags_stop_before_training_with_a_clear_message(tmp_path, text_file, capsys, flags, bound):
     with pytest.raises(SystemExit) as exit_info:
-        pretrain.main(["--data", str(text_file), "--out-dir", str(tmp_path / "run"), *TINY, *flags])
+        pretrain.main(["--data", str(text_file), "--out-dir", str(tmp_path / "run"), *PRETRAIN_FLAGS, *flags])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    error = capsys.readouterr().err.splitlines()[-1]  # (after argparse's usage, which names every flag)
+    assert "error: " in error and all(part in error for part in flags), error
+    assert bound is None or bound in error, error
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
@@ -153,7 +148,7 @@ def test_bad_paths_and_data_stop_before_training(tmp_path, text_file, capsys):
         assert message in capsys.readouterr().err
         assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
-    run = ["--out-dir", str(tmp_path / "run"), *TINY]
+    run = ["--out-dir", str(tmp_path / "run"), *PRETRAIN_FLAGS]
     fails(["--resume", *run], "holds no checkpoint to resume from")
     (tmp_path / "file").write_text("x")
     fails(["--data", str(text_file), "--out-dir", str(tmp_path / "file")], "is a file, not a folder")
@@ -178,7 +173,7 @@ def test_a_token_folder_trains(tmp_path, capsys):
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
     prepare_token_files(tmp_path / "text.txt", tmp_path / "tokens", tokenizer)
     tokenizer.save(tmp_path / "tok.json")
-    flags = [f for f in TINY if f not in ("--tokenizer", "bpe:300")]
+    flags = [f for f in PRETRAIN_FLAGS if f not in ("--tokenizer", "bpe:300")]
     assert pretrain.main(["--data", str(tmp_path / "tokens"), "--tokenizer", str(tmp_path / "tok.json"),
                           "--out-dir", str(tmp_path / "run"), "--max-steps", "2", *flags]) == 0
     assert "train and" in capsys.readouterr().out
@@ -195,6 +190,7 @@ def test_help_explains_every_flag(capsys):
         assert action.help, action.option_strings
 
 
+@pytest.mark.slow
 def test_the_bundled_pretrained_model_is_the_default_runs(tmp_path):
     """llmscratch/assets' model (ch05's base) has the default run's tokenizer, shape and quality.
 

@@ -1,7 +1,8 @@
 """ch06-alignment/evaluate.py end to end in --test-mode: the bundled base model beside a tiny spam classifier."""
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,13 @@ from llmscratch.assets import (
 )
 from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.classify import SPAM_LABELS, Classifier, GPTClassifier, spam_splits
-from llmscratch.evaluation import evaluate, multiple_choice_accuracy, token_byte_lengths
+from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.instruct import format_prompt
+from llmscratch.metrics import multiple_choice_accuracy
 from llmscratch.model import GPT, GPTConfig
+from llmscratch.report import TEST_MODE_ITEMS, held_out_moby_dick, load_benchmarks, read_choice_items
 from llmscratch.tokenizer import BPETokenizer
+from processes import run as run_process
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "evaluate.py"
 TESTS = [r for r in read_instructions() if r["split"] == "test"]
@@ -28,14 +32,9 @@ FAKE_CHOICES = [{"context": format_prompt(r), "choices": [r["output"] + " x", "a
                  "family": r["family"]} for r in TESTS[::100]]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("evaluate_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-evaluate_script = load_script()
+def evaluate_script(*argv, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The script run as a user runs it, in a fresh interpreter."""
+    return run_process([sys.executable, str(SCRIPT), *map(str, argv)], timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +51,14 @@ def run(tmp_path_factory) -> Path:
     classifier.save(folder / "spam" / "classifier.pt")
     choices = folder / "choices.json"
     choices.write_text(json.dumps(FAKE_CHOICES), encoding="utf-8")
-    evaluate_script.main(["--test-mode", "--no-progress", "--out-dir", str(folder / "out"), "--choices", str(choices),
-                          "--model", "base", "--model", str(folder / "spam")])
+    result = evaluate_script("--test-mode", "--no-progress", "--out-dir", folder / "out", "--choices", choices,
+                             "--model", "base", "--model", folder / "spam", timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"saved {folder / 'out'}/: report.md, report.png, report.json" in result.stdout
     return folder
 
 
+@pytest.mark.slow
 def test_files_written_and_numbers_in_range(run):
     out = run / "out"
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 10_000
@@ -70,11 +72,12 @@ def test_files_written_and_numbers_in_range(run):
             if score["interval"] is not None:
                 low, high = score["interval"]
                 assert low <= score["value"] <= high, key
-    assert base["cloze_accuracy"]["n"] == evaluate_script.TEST_MODE_ITEMS
+    assert base["cloze_accuracy"]["n"] == TEST_MODE_ITEMS
     assert base["choices_accuracy"]["n"] == len(FAKE_CHOICES)
-    assert base["exact_match"]["n"] == evaluate_script.TEST_MODE_ITEMS
+    assert base["exact_match"]["n"] == TEST_MODE_ITEMS
 
 
+@pytest.mark.slow
 def test_a_benchmark_that_does_not_apply_shows_a_dash(run):
     lines = (run / "out" / "report.md").read_text().splitlines()
 
@@ -89,6 +92,7 @@ def test_a_benchmark_that_does_not_apply_shows_a_dash(run):
     assert scores["base"]["scores"]["spam_f1"] is None and scores["spam"]["scores"]["bits_per_byte"] is None
 
 
+@pytest.mark.slow
 def test_numbers_equal_direct_calls_of_the_metrics(run):
     scores = json.loads((run / "out" / "report.json").read_text())["models"]
     model, tokenizer = model_from_checkpoint(PRETRAINED_PATH), tokenizer_from_checkpoint(PRETRAINED_PATH)
@@ -98,7 +102,7 @@ def test_numbers_equal_direct_calls_of_the_metrics(run):
     direct = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), 16,
                       torch.device("cpu"), max_tokens=2 * model.config.context_length + 1)
     assert scores["base"]["scores"]["bits_per_byte"]["value"] == pytest.approx(direct["bits_per_byte"], rel=1e-9)
-    cloze = json.loads(MOBY_CLOZE_PATH.read_text(encoding="utf-8"))[: evaluate_script.TEST_MODE_ITEMS]
+    cloze = json.loads(MOBY_CLOZE_PATH.read_text(encoding="utf-8"))[: TEST_MODE_ITEMS]
     direct = multiple_choice_accuracy(model, tokenizer, cloze)
     assert scores["base"]["scores"]["cloze_accuracy"]["value"] == pytest.approx(direct["accuracy"], abs=1e-12)
     assert scores["base"]["scores"]["cloze_accuracy_norm"]["value"] == pytest.approx(direct["accuracy_norm"], abs=1e-12)
@@ -106,35 +110,51 @@ def test_numbers_equal_direct_calls_of_the_metrics(run):
     assert scores["base"]["scores"]["choices_accuracy"]["value"] == pytest.approx(direct["accuracy"], abs=1e-12)
     # The spam accuracy by classifying each test message alone, counted here.
     classifier = Classifier.load(run / "spam" / "classifier.pt")
-    messages = spam_splits(seed=123)["test"][: evaluate_script.TEST_MODE_ITEMS]
+    messages = spam_splits(seed=123)["test"][: TEST_MODE_ITEMS]
     hits = sum(classifier.classify(text) == SPAM_LABELS[label] for text, label in messages)
     assert scores["spam"]["scores"]["spam_accuracy"]["value"] == pytest.approx(hits / len(messages), abs=1e-12)
 
 
+@pytest.mark.slow
 def test_instruction_rows_cover_the_test_records(run):
     report = json.loads((run / "out" / "report.json").read_text())
     families = {key.split("/", 1)[1] for key in report["models"]["base"]["scores"] if key.startswith("exact_match/")}
     assert families <= {r["family"] for r in TESTS} and len(families) >= 4
 
 
-def test_a_bad_model_path_exits_2_naming_it(tmp_path, capsys):
+def test_the_benchmarks_are_cut_to_the_limit_and_the_instructions_spread_over_families():
+    items = [{"context": "a", "choices": ["b", "c"], "answer": 0}] * 20
+    benchmarks = load_benchmarks(items, items[:3], limit=10, max_windows=2)
+    assert len(benchmarks.choices) == 10 and len(benchmarks.cloze) == 3 and benchmarks.max_windows == 2
+    assert len(benchmarks.instructions) == 10 and len({r["family"] for r in benchmarks.instructions}) >= 4
+    assert all(r in TESTS for r in benchmarks.instructions) and benchmarks.held_out == held_out_moby_dick()
+    whole = load_benchmarks(items, items)
+    assert whole.instructions == TESTS and len(whole.choices) == 20 and whole.max_windows is None
+
+
+def test_a_missing_choice_file_is_skipped_with_a_note(tmp_path, capsys):
+    assert read_choice_items(tmp_path / "none.json") == []
+    assert f"note: {tmp_path / 'none.json'} is not there; its benchmark is skipped" in capsys.readouterr().out
+
+
+def test_a_bad_model_path_exits_2_naming_it(tmp_path):
     missing = tmp_path / "no-such-model.safetensors"
-    with pytest.raises(SystemExit) as exit_info:
-        evaluate_script.parse_args(["--model", str(missing)])
-    assert exit_info.value.code == 2 and str(missing) in capsys.readouterr().err
+    result = evaluate_script("--model", missing, "--out-dir", tmp_path / "out")
+    assert result.returncode == 2 and str(missing) in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
-def test_a_missing_default_model_names_the_command_that_makes_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no runs/ here
-    with pytest.raises(SystemExit) as exit_info:
-        evaluate_script.parse_args(["--model", "dpo"])
-    assert exit_info.value.code == 2 and "finetune_preferences.py" in capsys.readouterr().err
+def test_a_missing_default_model_names_the_command_that_makes_it(tmp_path):
+    result = evaluate_script("--model", "dpo", cwd=tmp_path)  # no runs/ here
+    assert result.returncode == 2 and "finetune_preferences.py" in result.stderr
 
 
-def test_bad_flags_exit_2(tmp_path, capsys):
-    for argv, words in ((["--limit", "0"], "--limit"), (["--cloze", str(tmp_path / "none.json")], "--cloze"),
-                        (["--model", "base", "--model", f"base={PRETRAINED_PATH}"], "share a name"),
-                        (["--device", "toaster"], "--device: device 'toaster' is not a device name")):
-        with pytest.raises(SystemExit) as exit_info:
-            evaluate_script.parse_args(argv)
-        assert exit_info.value.code == 2 and words in capsys.readouterr().err
+@pytest.mark.parametrize("argv, words", [
+    (["--limit", "0"], "--limit"),
+    (["--cloze", "none.json"], "--cloze"),
+    (["--model", "base", "--model", f"base={PRETRAINED_PATH}"], "share a name"),
+    (["--device", "toaster"], "--device: device 'toaster'"),
+])
+def test_bad_flags_exit_2(tmp_path, argv, words):
+    result = evaluate_script(*argv, cwd=tmp_path)
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr

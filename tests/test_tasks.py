@@ -2,12 +2,13 @@
 multiple-choice set and its chance level, --check, and answers made by a (tiny) model."""
 
 import hashlib
-import importlib.util
 import json
 import math
 import random
 import re
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,13 +21,15 @@ from llmscratch.assets import (
     INSTRUCTION_CHOICES_PATH,
     PREFERENCES_PATH,
     read_instructions,
+    dumps_records,
     read_moby_dick,
 )
 from llmscratch.checkpoint import export_model
-from llmscratch.evaluation import normalize_answer
+from llmscratch.metrics import normalize_answer
 from llmscratch.instruct import format_prompt
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
+from processes import run as run_process
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "make_preference_data.py"
 RECORDS = read_instructions()
@@ -40,14 +43,9 @@ FORMATS = {
 }
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("make_preference_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = load_script()
+def script(*argv, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The script run as a user runs it, in a fresh interpreter."""
+    return run_process([sys.executable, str(SCRIPT), *map(str, argv)], timeout=timeout)
 
 
 def key(record: dict) -> tuple[str, str]:
@@ -81,10 +79,15 @@ def built(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("built")
     answers = fake_answers(RECORDS)
     write_answers(folder / "answers.json", answers)
-    script.main(paths(folder))
-    return {"folder": folder, "answers": {key(a): a for a in answers},
-            "pairs": json.loads((folder / "preferences.json").read_text()),
-            "items": json.loads((folder / "choices.json").read_text())}
+    result = script(*paths(folder))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"wrote {len(RECORDS):,} pairs to {folder / 'preferences.json'}: train " in result.stdout
+    assert f"wrote 312 multiple-choice items to {folder / 'choices.json'}" in result.stdout
+    built = {"folder": folder, "answers": {key(a): a for a in answers},
+             "pairs": json.loads((folder / "preferences.json").read_text()),
+             "items": json.loads((folder / "choices.json").read_text())}
+    assert (built["pairs"], built["items"]) == tasks.build_preference_data(RECORDS, answers, 0)  # what it writes
+    return built
 
 
 # --------------------------------------------------------------------------- the rule mistakes
@@ -184,37 +187,38 @@ def test_on_policy_where_the_model_was_wrong_and_well_formed(built):
                                                                            False: len(RECORDS) - len(RECORDS) // 4}
 
 
-def test_missing_answer_is_a_clear_error(tmp_path, capsys):
-    write_answers(tmp_path / "answers.json", fake_answers(RECORDS)[1:])
-    with pytest.raises(SystemExit, match="no answer to 1 of the 1560 prompts"):
-        script.main(paths(tmp_path))
-    write_answers(tmp_path / "answers.json", [{"instruction": "x", "input": "y", "answer": 5, "well_formed": True}])
-    with pytest.raises(SystemExit, match="answer 0 of the answers file: expected"):
-        script.main(paths(tmp_path))
-    with pytest.raises(SystemExit, match="no such file"):
-        script.main(["--answers", str(tmp_path / "absent.json"), *paths(tmp_path)[2:]])
-    with pytest.raises(SystemExit) as exit_info:
-        script.main(["--answers-from", str(tmp_path / "no-run")])
-    assert exit_info.value.code == 2 and "--answers-from" in capsys.readouterr().err
+def test_missing_answer_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no answer to 1 of the 1560 prompts"):
+        tasks.build_preference_data(RECORDS, fake_answers(RECORDS)[1:], 0)
+    with pytest.raises(ValueError, match="answer 0 of the answers file: expected"):
+        tasks.build_preference_data(RECORDS, [{"instruction": "x", "input": "y", "answer": 5, "well_formed": True}], 0)
+    write_answers(tmp_path / "answers.json", fake_answers(RECORDS)[1:])  # the script's message, from the same check
+    missing = script(*paths(tmp_path))
+    assert missing.returncode == 1
+    assert "error: the answers file has no answer to 1 of the 1560 prompts" in missing.stderr
+    absent = script("--answers", tmp_path / "absent.json", *paths(tmp_path)[2:])
+    assert absent.returncode == 1 and "absent.json: no such file" in absent.stderr
+    no_run = script("--answers-from", tmp_path / "no-run")
+    assert no_run.returncode == 2 and "--answers-from" in no_run.stderr
+    assert not (tmp_path / "preferences.json").exists() and "Traceback" not in missing.stderr + absent.stderr
 
 
 # --------------------------------------------------------------------------- --check
-def test_check_passes_on_a_fresh_build_and_names_the_first_difference(built, tmp_path, capsys):
+def test_check_passes_on_a_fresh_build_and_names_the_first_difference(built, tmp_path):
     for name in ("answers.json", "preferences.json", "choices.json"):
         shutil.copy(built["folder"] / name, tmp_path / name)
-    script.main([*paths(tmp_path), "--check"])
-    assert "up to date" in capsys.readouterr().out
+    fresh = script(*paths(tmp_path), "--check")
+    assert fresh.returncode == 0 and "up to date" in fresh.stdout
     pairs = json.loads((tmp_path / "preferences.json").read_text())
     pairs[5]["rejected"] = "something else"
     (tmp_path / "preferences.json").write_text(json.dumps(pairs))
-    with pytest.raises(SystemExit) as exit_info:
-        script.main([*paths(tmp_path), "--check"])
-    assert exit_info.value.code not in (0, None) and "record 5 differs" in str(exit_info.value.code)
+    changed = script(*paths(tmp_path), "--check")
+    assert changed.returncode == 1 and "record 5 differs" in changed.stderr
 
 
-def test_check_passes_on_the_committed_files(capsys):
-    script.main(["--check"])  # reads the bundled files, writes nothing
-    assert "up to date" in capsys.readouterr().out
+def test_check_passes_on_the_committed_files():
+    result = script("--check")  # reads the bundled files, writes nothing
+    assert result.returncode == 0 and "up to date" in result.stdout
     model = json.loads(INSTRUCTION_ANSWERS_PATH.read_text())["model"]
     assert re.fullmatch(r"[0-9a-f]{64}", model["sha256"]) and "--answers-from" in model["command"]
 
@@ -222,6 +226,7 @@ def test_check_passes_on_the_committed_files(capsys):
 def test_committed_choices_do_not_depend_on_the_model(built):
     # The multiple-choice set uses rule mistakes only: fake answers give the committed file, byte for byte.
     assert (built["folder"] / "choices.json").read_text() == INSTRUCTION_CHOICES_PATH.read_text()
+    assert dumps_records(built["items"]) == INSTRUCTION_CHOICES_PATH.read_text()
     assert len(json.loads(PREFERENCES_PATH.read_text())) == len(RECORDS)
 
 
@@ -302,11 +307,14 @@ def test_answers_from_a_model(tmp_path):
         per_family.setdefault((record["family"], record["split"]), record)
     records = list(per_family.values())
     (tmp_path / "instructions.json").write_text(json.dumps(records))
-    script.main(["--answers-from", str(run), "--instructions", str(tmp_path / "instructions.json"),
-                 *paths(tmp_path), "--no-progress"])
+    made = script("--answers-from", run, "--instructions", tmp_path / "instructions.json", *paths(tmp_path),
+                  "--no-progress")
+    assert made.returncode == 0, made.stderr[-4000:]
+    assert f"wrote 39 answers to {tmp_path / 'answers.json'}: " in made.stdout
     answers = json.loads((tmp_path / "answers.json").read_text())
     assert answers["model"]["sha256"] == hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
     assert [key(a) for a in answers["answers"]] == [key(r) for r in records]
     pairs = json.loads((tmp_path / "preferences.json").read_text())
     assert [p["chosen"] for p in pairs] == [r["output"] for r in records]
-    script.main(["--instructions", str(tmp_path / "instructions.json"), *paths(tmp_path), "--check"])
+    checked = script("--instructions", tmp_path / "instructions.json", *paths(tmp_path), "--check")
+    assert checked.returncode == 0 and "up to date" in checked.stdout

@@ -1,27 +1,22 @@
-"""The Moby-Dick cloze set: built from the held-out tenth only, true sentences in place, chance at 25%."""
+"""The Moby-Dick cloze set (llmscratch.cloze, written by ch06-alignment/make_cloze_data.py): built from the
+held-out tenth only, true sentences in place, chance at 25%."""
 
-import importlib.util
 import json
 import math
+import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from llmscratch import cloze
 from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick
 from llmscratch.report import held_out_moby_dick
+from processes import run as run_process
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "make_cloze_data.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("make_cloze_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_cloze_data = load_script()
 TEXT = read_moby_dick()
 SPLIT = int(len(TEXT) * 0.9)  # ch04-pretraining/pretrain.py's default: the last 10% by characters
 HELD_OUT, TRAINING = " ".join(TEXT[SPLIT:].split()), " ".join(TEXT[:SPLIT].split())
@@ -48,7 +43,7 @@ def test_held_out_is_pretrainings_split():
 def test_sentence_rule():
     paragraph = ("“Go aloft!” cried he. Then Mr. Starbuck came. “Where is it?” “There, sir!” said Stubb. "
                  "And so it was (as ever.) The end")
-    assert make_cloze_data.split_sentences(paragraph) == [
+    assert cloze.split_sentences(paragraph) == [
         "“Go aloft!” cried he.", "Then Mr. Starbuck came.", "“Where is it?”", "“There, sir!” said Stubb.",
         "And so it was (as ever.)", "The end"]
 
@@ -105,16 +100,23 @@ def test_binomial_range_against_the_normal_approximation():
 
 def test_sentences_found_in_training_are_not_used(items):
     used = items[0]["choices"][items[0]["answer"]]
-    rebuilt = make_cloze_data.make_items(TEXT[SPLIT:], training=f"Some text. {used} More text.", seed=0)
+    rebuilt = cloze.make_items(TEXT[SPLIT:], training=f"Some text. {used} More text.", seed=0)
     assert all(used not in item["choices"] for item in rebuilt)
     assert len(rebuilt) < len(items)
 
 
-def test_check_passes_on_the_bundled_file_and_fails_on_a_changed_copy(tmp_path, capsys):
-    make_cloze_data.main(["--check"])
-    assert "up to date" in capsys.readouterr().out
+def test_the_bundled_file_is_what_the_rules_build(items):
+    assert items == cloze.make_items(TEXT[SPLIT:], training=TEXT[:SPLIT], seed=0)
+
+
+def test_check_passes_on_the_bundled_file_and_fails_on_a_changed_copy(tmp_path):
+    def check(*argv) -> subprocess.CompletedProcess:
+        return run_process([sys.executable, str(SCRIPT), "--check", *map(str, argv)], timeout=120)
+
+    bundled = check()
+    assert bundled.returncode == 0 and "up to date" in bundled.stdout
     changed = tmp_path / "cloze.json"
     changed.write_text(MOBY_CLOZE_PATH.read_text(encoding="utf-8").replace('"answer": 0', '"answer": 1', 1),
                        encoding="utf-8")
-    with pytest.raises(SystemExit, match=r"record \d+ differs"):
-        make_cloze_data.main(["--check", "--out", str(changed)])
+    differs = check("--out", changed)
+    assert differs.returncode == 1 and re.search(r"record \d+ differs", differs.stderr)

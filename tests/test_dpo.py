@@ -1,38 +1,37 @@
 """ch06-alignment/finetune_preferences.py end to end in --test-mode, on a tiny model, checked against float64 sums."""
 
-import importlib.util
 import json
 import math
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from llmscratch.assets import read_instructions
+from llmscratch.assets import INSTRUCTIONS_PATH, read_instructions
 from llmscratch.checkpoint import export_model, model_from_checkpoint
-from llmscratch.cli import finetune_config
 from llmscratch.config import DPOConfig
 from llmscratch.dpo import pair_batches, read_pairs, train_dpo
 from llmscratch.finetune import load_base, set_trainable
-from llmscratch.instruct import format_prompt, normalize
+from llmscratch.instruct import format_prompt
 from llmscratch.lora import adapters_disabled, lora_layers
+from llmscratch.metrics import normalize_answer
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.preference import ReferenceModel
 from llmscratch.tokenizer import BPETokenizer
+from processes import run as run_process
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "finetune_preferences.py"
 D_MODEL, D_FF, N_LAYERS, N_HEADS, N_KV_HEADS = 32, 64, 2, 2, 1
 pytestmark = pytest.mark.timeout(120)
 
 
-def script():
-    """The script as a module, to call its main(argv) in this process."""
-    spec = importlib.util.spec_from_file_location("finetune_preferences", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def script(*argv, cwd: Path | None = None, timeout: float = 100) -> subprocess.CompletedProcess:
+    """The script run as a user runs it, in a fresh interpreter."""
+    return run_process([sys.executable, str(SCRIPT), *map(str, argv)], timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +59,14 @@ def pairs_path(tmp_path_factory) -> Path:
     return path
 
 
-def run_script(model_path: Path, pairs_path: Path, out: Path, *flags: str) -> dict:
-    script().main(["--model", str(model_path), "--data", str(pairs_path), "--out-dir", str(out), "--test-mode",
-                   "--no-progress", "--lr", "1e-3", *flags])
-    return json.loads((out / "metrics.json").read_text())
+def run_script(model_path: Path | None, pairs_path: Path, out: Path, *flags: str, cwd: Path | None = None) -> dict:
+    """metrics.json of a --test-mode run from ``model_path`` (None: the default --model)."""
+    model = [] if model_path is None else ["--model", model_path]
+    result = script(*model, "--data", pairs_path, "--out-dir", out, "--test-mode", "--no-progress", "--lr", "1e-3",
+                    *flags, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"saved {out}/: metrics.json, dpo.png, comparison.md, answers.jsonl, model.safetensors" in result.stdout
+    return {**json.loads((out / "metrics.json").read_text()), "stdout": result.stdout}
 
 
 def logprob64(model: GPT, tokenizer, record: dict, response: str) -> float:
@@ -78,9 +81,13 @@ def logprob64(model: GPT, tokenizer, record: dict, response: str) -> float:
     return logp[rows, ids[0, len(prompt):]].sum().item()
 
 
-def test_full_finetuning_in_test_mode(model_path, pairs_path, tmp_path):
+def test_full_finetuning_in_test_mode_from_the_default_model(model_path, pairs_path, tmp_path):
+    (tmp_path / "runs" / "instructions").mkdir(parents=True)  # the default --model, there: used, not trained again
+    shutil.copy(model_path, tmp_path / "runs" / "instructions" / "model.safetensors")
     out = tmp_path / "run"
-    metrics = run_script(model_path, pairs_path, out)
+    metrics = run_script(None, pairs_path, out, cwd=tmp_path)
+    assert metrics["starting_model"] == "runs/instructions/model.safetensors"
+    assert "does not exist" not in metrics["stdout"] and not (out / "instructions").exists()
     for name in ("metrics.json", "comparison.md", "answers.jsonl", "model.safetensors"):
         assert (out / name).is_file()
     assert (out / "dpo.png").stat().st_size > 5000
@@ -97,7 +104,7 @@ def test_full_finetuning_in_test_mode(model_path, pairs_path, tmp_path):
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert len(answers) == 13
     for model, text in (("instruction_model", "instruction_model"), ("dpo", "dpo")):
-        hits = [normalize(a[text]) == normalize(a["output"]) for a in answers]
+        hits = [normalize_answer(a[text]) == normalize_answer(a["output"]) for a in answers]
         assert metrics[model]["exact_match"] == pytest.approx(sum(hits) / len(hits))
     assert metrics["dpo"]["well_formed"] == pytest.approx(sum(a["dpo_well_formed"] for a in answers) / 13)
     assert "| **all families** |" in (out / "comparison.md").read_text()
@@ -105,7 +112,7 @@ def test_full_finetuning_in_test_mode(model_path, pairs_path, tmp_path):
     # The held-out preference scores, recomputed pair by pair in float64 from the two saved models.
     start_model, tokenizer = load_base(model_path)
     tuned = model_from_checkpoint(out / "model.safetensors")
-    test_pairs = script().read_pairs(pairs_path, test_mode=True)["test"]
+    test_pairs = read_pairs(pairs_path, test_mode=True)["test"]
     margins = []
     for record in test_pairs:
         rewards = [0.1 * (logprob64(tuned, tokenizer, record, record[k]) - logprob64(start_model, tokenizer, record,
@@ -146,10 +153,8 @@ def test_the_sft_term_adds_the_chosen_answers_loss(model_path, pairs_path, tmp_p
 
 @pytest.mark.parametrize("trainable", ["all", "lora"])
 def test_training_leaves_the_reference_as_it_started(model_path, pairs_path, trainable):
-    module = script()
-    args = module.parse_args(["--model", str(model_path), "--data", str(pairs_path), "--test-mode",
-                              "--trainable", trainable, "--lr", "1e-2"])
-    config = finetune_config(args, DPOConfig)
+    # The script's defaults with --test-mode --trainable {trainable} --lr 1e-2.
+    config = DPOConfig(epochs=1, batch_size=8, lr=1e-2, beta=0.1, trainable=trainable)
     model, tokenizer = load_base(model_path)
     start = {name: p.detach().clone() for name, p in model.state_dict().items()}
     set_trainable(model, config, always=[] if trainable == "lora" else [model.lm_head])
@@ -167,55 +172,50 @@ def test_training_leaves_the_reference_as_it_started(model_path, pairs_path, tra
     assert all(torch.equal(base[name], start[name]) for name in start)
 
 
-def test_a_missing_default_model_is_trained_by_chapter_5(tmp_path, model_path, monkeypatch):
-    module = script()
-    monkeypatch.chdir(tmp_path)
-    calls = []
-
-    def fake_main(argv):
-        calls.append(argv)
-        folder = Path(argv[argv.index("--out-dir") + 1])
-        folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(model_path.read_bytes())
-
-    args = SimpleNamespace(model=module.DEFAULT_MODEL, out_dir=tmp_path / "run", test_mode=False, no_progress=True,
-                           instructions=Path("data.json"))
-    assert module.starting_model(args, fake_main) == module.DEFAULT_MODEL
-    assert calls == [["--out-dir", "runs/instructions", "--data", "data.json", "--no-progress"]]
-    assert module.starting_model(args, fake_main) == module.DEFAULT_MODEL  # not again
-    assert len(calls) == 1
+def test_a_missing_default_model_is_trained_by_chapter_5_and_its_failure_named(tmp_path, pairs_path):
+    # runs/instructions is a file here, so chapter 5's script, asked to train the default model into that
+    # folder, refuses its --out-dir (status 2): what the flags it gets are, and what its failure is, is printed.
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "instructions").write_text("not a folder")
+    shutil.copy(INSTRUCTIONS_PATH, tmp_path / "data.json")
+    result = script("--data", pairs_path, "--instructions", "data.json", "--out-dir", tmp_path / "run",
+                    "--no-progress", cwd=tmp_path)
+    assert ("runs/instructions/model.safetensors does not exist: training it with "
+            "ch05-finetuning/finetune_instructions.py --out-dir runs/instructions first") in result.stdout
+    assert "--out-dir runs/instructions" in result.stderr  # chapter 5's own message
+    assert result.returncode == 1
+    assert ("error: finetune_instructions.py --out-dir runs/instructions --data data.json --no-progress failed (exit "
+            "status 2), so there is no model to start from") in result.stderr
 
 
-def test_help_and_bad_flags_are_clear(model_path, pairs_path, tmp_path, capsys):
-    main = script().main
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
-    help_text = capsys.readouterr().out
-    for name in ("--beta", "--label-smoothing", "--sft-weight", "--lora-rank", "--test-mode", "--out-dir", "--model", "--data"):
+def test_help_names_the_flags():
+    result = script("--help")
+    assert result.returncode == 0
+    help_text = result.stdout
+    for name in ("--beta", "--label-smoothing", "--sft-weight", "--lora-rank", "--test-mode", "--out-dir", "--model",
+                 "--data"):
         assert name in help_text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--data", "none.json"), "--data .*none.json: no such file"),
+    (("--model", "none.safetensors"), "--model .*none.safetensors: no such file"),
+    (("--beta", "0"), "--beta must be positive, got 0.0"),
+    (("--label-smoothing", "0.5"), r"--label-smoothing must be in \[0, 0.5\), got 0.5"),
+    (("--sft-weight", "-1"), r"--sft-weight must be >= 0, got -1.0"),
+    (("--lr", "nan"), "argument --lr: 'nan' is not a finite number"),
+])
+def test_bad_flags_are_clear(model_path, pairs_path, tmp_path, flags, message):
     common = ["--model", str(model_path), "--data", str(pairs_path), "--out-dir", str(tmp_path / "run")]
-    bad = {("--data", str(tmp_path / "none.json")): "--data .*none.json: no such file",
-           ("--model", str(tmp_path / "none.safetensors")): "--model .*none.safetensors: no such file",
-           ("--beta", "0"): "--beta must be positive, got 0.0",
-           ("--label-smoothing", "0.5"): r"--label-smoothing must be in \[0, 0.5\), got 0.5",
-           ("--sft-weight", "-1"): r"--sft-weight must be >= 0, got -1.0",
-           ("--lr", "nan"): "argument --lr: 'nan' is not a finite number"}
-    for flags, message in bad.items():
-        with pytest.raises(SystemExit) as exit_info:
-            main([*common, *flags])
-        assert exit_info.value.code == 2
-        assert re.search(message, capsys.readouterr().err)
+    result = script(*common, *flags, cwd=tmp_path)  # (a relative path: in tmp_path)
+    assert result.returncode == 2
+    assert re.search(message, result.stderr)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_malformed_pair_is_named(model_path, tmp_path):
     data = tmp_path / "pairs.json"
     data.write_text(json.dumps([{"instruction": "a", "input": "", "chosen": "b", "rejected": "c", "split": "train"},
                                 {"instruction": "a", "input": "", "chosen": "b", "split": "test"}]))
-    with pytest.raises(SystemExit, match="record 1: field 'rejected' is missing"):
-        script().main(["--model", str(model_path), "--data", str(data), "--out-dir", str(tmp_path / "run")])
-
-
-def test_a_failing_chapter_5_run_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"finetune_instructions.py --no-such-flag failed \(exit status 2\)"):
-        script().train_instruction_model(["--no-such-flag"])
+    result = script("--model", model_path, "--data", data, "--out-dir", tmp_path / "run")
+    assert result.returncode == 1 and "record 1: field 'rejected' is missing" in result.stderr
