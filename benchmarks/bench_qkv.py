@@ -65,11 +65,11 @@ class SeparateQKV(nn.Module):
         if rope is not None:
             q, k = rope(q, start_pos, positions=input_pos), rope(k, start_pos, positions=input_pos)
         mask = None
-        if input_pos is not None:  # the static cache: written in place, read whole, masked
+        if kv_cache is not None:  # written at x's positions, read whole, masked to the positions up to each query's
+            if input_pos is None:
+                input_pos = torch.arange(start_pos, start_pos + seq_len, device=x.device)  # (T,)
             k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs)
             mask = positions_mask(input_pos, k.size(-2))  # (T, S)
-        elif kv_cache is not None:
-            k, v = kv_cache.update(k, v, start_pos)  # (B, n_kv, S, hs)
         context = fused_attention(q, k, v, self.dropout if self.training else 0.0, mask)  # (B, nh, T, hs)
         return self.out_proj(context.transpose(1, 2).reshape(batch_size, seq_len, self.d_out))  # (B, T, d_out)
 

@@ -2,6 +2,7 @@
 
     class TestChapter(ExerciseSuite):
         chapter, folder, wrong = ch03, "ch03-architecture", WRONG
+        slow = {"generate_greedy"}  # (optional) exercises whose checks take seconds: their tests are marked slow
 
 ``wrong`` lists ``(exercise, wrong answer, the smallest failing input it must report, the hint it must
 get)`` (or ``(exercise, wrong answer, hint)``). The suite checks that each worked answer (``tests/exercise_answers/<chapter>_solutions.py``)
@@ -66,14 +67,19 @@ class ExerciseSuite:
     chapter = None  # the chapter's module, e.g. llmscratch.exercises.ch03
     folder = ""  # the chapter's folder, which holds exercises.ipynb and solutions.ipynb
     wrong: list = []
+    slow: set = set()  # exercises whose checks train or generate for seconds: their tests are marked slow
 
     @classmethod
     def pytest_generate_tests(cls, metafunc):
+        def marked(exercise: str, value):
+            return pytest.param(value, marks=pytest.mark.slow) if exercise in cls.slow else value
+
         names = list(cls.chapter.CHAPTER.exercises)
         if "name" in metafunc.fixturenames:
-            metafunc.parametrize("name", names)
+            metafunc.parametrize("name", [marked(name, name) for name in names], ids=names)
         if "wrong_answer" in metafunc.fixturenames:
-            metafunc.parametrize("wrong_answer", cls.wrong, ids=[f"{w[0]}-{w[-1]}" for w in cls.wrong])
+            metafunc.parametrize("wrong_answer", [marked(w[0], w) for w in cls.wrong],
+                                 ids=[f"{w[0]}-{w[-1]}" for w in cls.wrong])
 
     @classmethod
     def verdict(cls, answer, name):

@@ -109,6 +109,7 @@ def test_the_bundled_file_is_what_the_rules_build(items):
     assert items == cloze.make_items(TEXT[SPLIT:], training=TEXT[:SPLIT], seed=0)
 
 
+@pytest.mark.slow
 def test_check_passes_on_the_bundled_file_and_fails_on_a_changed_copy(tmp_path):
     def check(*argv) -> subprocess.CompletedProcess:
         return run_process([sys.executable, str(SCRIPT), "--check", *map(str, argv)], timeout=120)

@@ -223,6 +223,7 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
 
 class TestChapter4(ExerciseSuite):
     chapter, folder, wrong = ch04, "ch04-pretraining", WRONG
+    slow = {"generate_min_p", "accumulate_gradients"}
 
 
 # --------------------------------------------------------------------------- chapter 4 only

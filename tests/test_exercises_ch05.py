@@ -187,6 +187,7 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
 
 class TestChapter5(ExerciseSuite):
     chapter, folder, wrong = ch05, "ch05-finetuning", WRONG
+    slow = {"fit_early_stopping", "score_choices"}
 
 
 # --------------------------------------------------------------------------- chapter 5 only

@@ -116,6 +116,7 @@ def test_the_command_line_prints_a_table_and_fails_on_a_wrong_answer(tmp_path):
     assert len(rows) == len(chapter("ch01").exercises)
 
 
+@pytest.mark.slow
 def test_the_command_line_names_a_missing_or_broken_file(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "llmscratch.exercises", "ch01", str(tmp_path / "nope.py")],
                              capture_output=True, text=True, timeout=300)

@@ -134,6 +134,7 @@ def test_an_endless_loop_at_import_fails_every_row_and_says_so(tmp_path):
     expect_unloadable(result.returncode, result.stdout, result.stderr, "within 5 s")
 
 
+@pytest.mark.slow
 def test_os_exit_at_import_fails_every_row_and_says_so(tmp_path):
     result = check_file(answers_file(tmp_path, "causal_mask", "import os\nos._exit(0)"))
     expect_unloadable(result.returncode, result.stdout, result.stderr, "exit status 0")

@@ -205,7 +205,9 @@ SCRIPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SCRIPT_CASES, ids=[case.name for case in SCRIPT_CASES])
+# A case that runs to the end trains (seconds): slow.
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case.code == 0 else case
+                                  for case in SCRIPT_CASES], ids=[case.name for case in SCRIPT_CASES])
 def test_script_faults(case, tmp_path, finished_run, capsys, monkeypatch):
     if case.needs_run:
         copy_run(finished_run, tmp_path)

@@ -190,6 +190,7 @@ def test_the_folder_of_the_starting_model_is_refused_as_out_dir(name, flag, wher
 
 
 @pytest.mark.parametrize("name", FINETUNING)
+@pytest.mark.slow
 def test_a_folder_with_finished_results_needs_overwrite_and_then_holds_only_the_new_run(
         name, tmp_path, base, model_path, pairs_path, capsys):
     out = tmp_path / "out"
@@ -207,6 +208,7 @@ def test_a_folder_with_finished_results_needs_overwrite_and_then_holds_only_the_
     assert snapshot(out) != first and not (out / LOCK_FILE).exists()
 
 
+@pytest.mark.slow
 def test_a_finished_pretraining_run_without_its_checkpoint_is_not_overwritten(tmp_path, finished_run, capsys):
     run = copy_run(finished_run, tmp_path)
     (run / "checkpoint.pt").unlink()  # people delete it to save space

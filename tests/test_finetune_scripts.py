@@ -57,6 +57,7 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder / "checkpoint.pt"
 
 
+@pytest.mark.slow
 def test_classifier_script_in_test_mode(checkpoint, tmp_path):
     out = tmp_path / "run"
     succeeds("finetune_classifier", "--base", checkpoint, "--out-dir", out, "--test-mode", "--no-progress")
@@ -70,6 +71,7 @@ def test_classifier_script_in_test_mode(checkpoint, tmp_path):
     assert classifier.classify("Free entry! Text WIN to 80086 now") in ("ham", "spam")
 
 
+@pytest.mark.slow
 def test_classifier_script_with_lora(checkpoint, tmp_path):
     out = tmp_path / "run"
     succeeds("finetune_classifier", "--base", checkpoint, "--out-dir", out, "--test-mode", "--no-progress", "--lora",
@@ -83,6 +85,7 @@ def test_classifier_script_with_lora(checkpoint, tmp_path):
     assert metrics["trainable_parameters"] == 2 * 2 * (96 + 64 + 3 * 96) + 2 * 32 + 2
 
 
+@pytest.mark.slow
 def test_classifier_script_from_a_gpt2_folder(tmp_path):
     torch.manual_seed(0)
     save_hf(GPT(GPTConfig(vocab_size=50257, context_length=64, d_model=8, n_layers=1, n_heads=2)), tmp_path / "hf")
@@ -111,6 +114,7 @@ def test_instruction_script_in_test_mode(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["finetune_classifier", "finetune_instructions"])
+@pytest.mark.slow
 def test_help_and_bad_input_are_clear(name, tmp_path):
     shown = script(name, "--help", COLUMNS="1000")  # one line per flag
     assert shown.returncode == 0
@@ -127,7 +131,6 @@ def test_help_and_bad_input_are_clear(name, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
 def test_instruction_script_names_a_malformed_record(checkpoint, tmp_path):
     data = tmp_path / "data.json"
     data.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b", "split": "train"},
@@ -136,6 +139,7 @@ def test_instruction_script_names_a_malformed_record(checkpoint, tmp_path):
     assert result.returncode == 1 and "record 1: field 'output' is missing" in result.stderr
 
 
+@pytest.mark.slow
 def test_instruction_data_is_reproduced_by_its_script(tmp_path):
     assert "is up to date" in succeeds("make_instruction_data", "--check")  # the committed file is what it writes
     succeeds("make_instruction_data", "--out", tmp_path / "other.json", "--seed", "1")

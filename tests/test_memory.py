@@ -72,6 +72,7 @@ def fsdp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> Non
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_fsdp_plan_equals_each_ranks_local_shards(tmp_path):
     """Exact: FSDP2 splits every parameter along dim 0 as torch.chunk does (rank 1 gets fewer rows of an odd
     dimension), its gradient and AdamW moments follow it, and each parameter has a float32 step counter."""

@@ -347,6 +347,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(dropout):
         torch.testing.assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bad_parallel_settings_are_refused_before_training():
     with pytest.raises(ConfigError, match=r"parallel .*got 'zero'"):
         TrainConfig(parallel="zero")

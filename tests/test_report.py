@@ -155,6 +155,7 @@ def test_a_missing_default_model_names_the_command_that_makes_it(tmp_path):
     (["--model", "base", "--model", f"base={PRETRAINED_PATH}"], "share a name"),
     (["--device", "toaster"], "--device: device 'toaster'"),
 ])
+@pytest.mark.slow
 def test_bad_flags_exit_2(tmp_path, argv, words):
     result = evaluate_script(*argv, cwd=tmp_path)
     assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr

@@ -292,6 +292,7 @@ def test_tp_settings_are_checked_in_the_config():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_script_refuses_a_bad_mesh_before_training(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT[:5000], encoding="utf-8")
     result = run([sys.executable, str(PRETRAIN), "--data", str(tmp_path / "text.txt"), "--tokenizer", "bpe:300",

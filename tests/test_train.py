@@ -39,6 +39,7 @@ def test_loss_goes_down(tmp_path):
 
 
 @pytest.mark.parametrize(("dropout", "optimizer"), [(0.0, "adamw"), (0.2, "adamw"), (0.0, "muon")])
+@pytest.mark.slow
 def test_resume_gives_the_same_losses_bitwise(tmp_path, dropout, optimizer):
     """Stopped during step 5 (last checkpoint at 4) and resumed: steps 5..10 repeat to the bit.
 
@@ -112,6 +113,7 @@ def test_float16_overflowing_gradients_are_skipped_not_fatal(tmp_path):
     assert all(math.isfinite(x) for x in losses(trainer))
 
 
+@pytest.mark.slow
 def test_compiled_matches_eager(tmp_path):
     """torch.compile fuses and reorders float32 arithmetic: the runs agree to float32 rounding over 3 steps.
 
