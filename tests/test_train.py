@@ -22,6 +22,7 @@ class Interrupt(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_loss_goes_down(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=40, lr=1e-2, min_lr=1e-3)
     before = trainer.evaluate(512)["loss"]
