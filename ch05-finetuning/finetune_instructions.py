@@ -29,8 +29,8 @@ from llmscratch.finetune import (
     ADAPTERS_FILE, FinetuneConfig, check_trainable, end_of_text_id, fit, fit_and_save, load_base, set_trainable,
 )
 from llmscratch.instruct import (
-    answers_jsonl, comparison_table, encode_records, lm_loss, make_batches, read_instruction_splits, response_loss,
-    score_answers,
+    MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records, lm_loss, make_batches, read_instruction_splits,
+    response_loss, score_answers,
 )
 from llmscratch.runfolder import save_or_rescue
 
@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a JSON list of records (instruction, input, output, split; family optional)")
     parser.add_argument("--train-on-prompt", action="store_true",
                         help="learn the prompt tokens too (default: mask them, so only the response is learned)")
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="longest answer generated per test prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                        help="longest answer generated per test prompt")
     add_out_dir_flags(parser, Path("runs/instructions"), holds=", ".join(OUTPUTS))
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 2 training records per family, 1 epoch, "

@@ -27,22 +27,16 @@ from llmscratch.assets import INSTRUCTIONS_PATH, PREFERENCES_PATH
 from llmscratch.atomic import write_json_atomically, write_text_atomically
 from llmscratch.checkpoint import export_model
 from llmscratch.cli import (
-    HelpFormatter,
-    add_flags,
-    add_lora_flags,
-    add_out_dir_flags,
-    check_in_files,
-    check_out_dir,
-    finetune_config,
-    refuse,
-    run_folder,
-    value_errors_exit,
+    HelpFormatter, add_flags, add_lora_flags, add_out_dir_flags, check_in_files, check_out_dir, finetune_config, refuse,
+    run_folder, value_errors_exit,
 )
 from llmscratch.config import DPOConfig
 from llmscratch.device import resolve_device
 from llmscratch.dpo import pair_batches, plot_dpo, preference_scores, preference_table, read_pairs, train_dpo
 from llmscratch.finetune import ADAPTERS_FILE, check_trainable, end_of_text_id, fit_and_save, load_base, set_trainable
-from llmscratch.instruct import answers_jsonl, comparison_table, encode_records, read_instruction_splits, score_answers
+from llmscratch.instruct import (
+    MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records, read_instruction_splits, score_answers,
+)
 from llmscratch.preference import ReferenceModel
 from llmscratch.runfolder import save_or_rescue
 
@@ -79,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_lora_flags(parser, DEFAULTS, "shorthand for --trainable lora (here the adapters alone: the head stays as it "
                                      "was, so the model with its adapters off is exactly the reference)")
     add_flags(parser, DEFAULTS, "epochs", "lr", "batch_size", "warmup_fraction", "dtype", "seed")
-    parser.add_argument("--max-new-tokens", type=int, default=24,
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
                         help="longest answer generated per test prompt (as ch05's script)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
     add_out_dir_flags(parser, Path("runs/preferences"), holds=", ".join(OUTPUTS))

@@ -196,45 +196,41 @@ def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
 
     step: ``decode_one_token`` or its compiled version. The model is in eval mode (dropout off) throughout.
     """
-    with evaluating(model):
-        yield from _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
-
-
-def _decode_steps(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
     if max_new_tokens == 0:
         return
-    batch_size, prompt_len = idx.shape
-    context_length = model.config.context_length
-    total_len = prompt_len + max_new_tokens
-    # The cache holds every position the model is fed while the sequence fits in its context
-    # (the last new token is never fed back); sized once, so it is never reallocated.
-    cache_len = min(total_len - 1, context_length) if use_cache and prompt_len <= context_length else 0
-    # Past the cache, each step reads the last context_length tokens: only those are kept (a stream may be
-    # as long as asked, its memory stays one window).
-    slides = total_len - 1 > cache_len
-    recent = idx[:, -context_length:]  # (B, <= context_length)
-    kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
-    if kv_caches is not None:
-        logits = prefill(model, idx, kv_caches)  # (B, V)
-    else:
-        logits = model(idx[:, -context_length:])[:, -1]  # (B, V)
-    input_pos = torch.tensor([prompt_len], device=idx.device)  # (1,): where the next token is fed
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=idx.device)  # (B,)
-    for length in range(prompt_len + 1, total_len + 1):  # tokens so far, the new one included
-        next_ids = choose(logits)  # (B,)
-        if eos_id is not None:
-            next_ids = next_ids.masked_fill(finished, pad_id)  # (B,)
-            finished |= next_ids == eos_id
-        yield next_ids
-        if slides:
-            recent = torch.cat([recent, next_ids[:, None]], dim=1)[:, -context_length:]  # (B, <= context_length)
-        if length == total_len or (eos_id is not None and finished.all()):
-            return
-        if length <= cache_len:  # the new token's position, length - 1 == input_pos, is inside the cache
-            logits = step(model, next_ids[:, None], input_pos, kv_caches)  # (B, V)
-            input_pos += 1  # in place: a compiled step sees the same input tensor every time
-        else:  # a sliding window over the last context_length tokens (eager: its length varies at first)
-            logits = model(recent)[:, -1]  # (B, V)
+    with evaluating(model):
+        batch_size, prompt_len = idx.shape
+        context_length = model.config.context_length
+        total_len = prompt_len + max_new_tokens
+        # The cache holds every position the model is fed while the sequence fits in its context
+        # (the last new token is never fed back); sized once, so it is never reallocated.
+        cache_len = min(total_len - 1, context_length) if use_cache and prompt_len <= context_length else 0
+        # Past the cache, each step reads the last context_length tokens: only those are kept (a stream may be
+        # as long as asked, its memory stays one window).
+        slides = total_len - 1 > cache_len
+        recent = idx[:, -context_length:]  # (B, <= context_length)
+        kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
+        if kv_caches is not None:
+            logits = prefill(model, idx, kv_caches)  # (B, V)
+        else:
+            logits = model(idx[:, -context_length:])[:, -1]  # (B, V)
+        input_pos = torch.tensor([prompt_len], device=idx.device)  # (1,): where the next token is fed
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=idx.device)  # (B,)
+        for length in range(prompt_len + 1, total_len + 1):  # tokens so far, the new one included
+            next_ids = choose(logits)  # (B,)
+            if eos_id is not None:
+                next_ids = next_ids.masked_fill(finished, pad_id)  # (B,)
+                finished |= next_ids == eos_id
+            yield next_ids
+            if slides:
+                recent = torch.cat([recent, next_ids[:, None]], dim=1)[:, -context_length:]  # (B, <= context_length)
+            if length == total_len or (eos_id is not None and finished.all()):
+                return
+            if length <= cache_len:  # the new token's position, length - 1 == input_pos, is inside the cache
+                logits = step(model, next_ids[:, None], input_pos, kv_caches)  # (B, V)
+                input_pos += 1  # in place: a compiled step sees the same input tensor every time
+            else:  # a sliding window over the last context_length tokens (eager: its length varies at first)
+                logits = model(recent)[:, -1]  # (B, V)
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:

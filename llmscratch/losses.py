@@ -16,6 +16,7 @@ chunk with autograd recording, and the chunk's logit gradient is sent back throu
 (``head_cross_entropy``). The loss, its softmax gradient and the bookkeeping are one loop for both.
 """
 
+import functools
 import sys
 
 import torch
@@ -188,10 +189,26 @@ def _check_rows(hidden: torch.Tensor, targets: torch.Tensor, chunk_rows: int | N
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows}")
 
 
+def left_out_of_compile(fn):
+    """``fn`` run eagerly even inside torch.compile, as ``torch.compiler.disable(fn)`` is, with the disabling done
+    when a compiler first traces it: importing torch._dynamo takes about 2 s, which every script paid at start-up."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn))
+            return disabled[0](*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 # Left out of torch.compile graphs: the loop is already a few large kernels per chunk, and traced
 # (the loop unrolled, the reused buffers functionalised) a compiled training step of the 6x384
 # benchmark model got 13% slower on CPU and took 3x longer to compile.
-@torch.compiler.disable
+@left_out_of_compile
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = IGNORE_INDEX, chunk_rows: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits ``hidden @ weight.T`` against ``targets``, chunk by chunk.
@@ -214,7 +231,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return _apply(hidden, targets, _LinearHead(weight, compute_dtype), chunk_rows, ignore_index)
 
 
-@torch.compiler.disable
+@left_out_of_compile
 def head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
                        ignore_index: int = IGNORE_INDEX, chunk_rows: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits ``head(hidden)`` against ``targets``, chunk by chunk.

@@ -81,6 +81,7 @@ def logprob64(model: GPT, tokenizer, record: dict, response: str) -> float:
     return logp[rows, ids[0, len(prompt):]].sum().item()
 
 
+@pytest.mark.slow
 def test_full_finetuning_in_test_mode_from_the_default_model(model_path, pairs_path, tmp_path):
     (tmp_path / "runs" / "instructions").mkdir(parents=True)  # the default --model, there: used, not trained again
     shutil.copy(model_path, tmp_path / "runs" / "instructions" / "model.safetensors")
@@ -126,6 +127,7 @@ def test_full_finetuning_in_test_mode_from_the_default_model(model_path, pairs_p
     assert pairs["accuracy"] == sum(m > 0 for m in margins) / len(margins)
 
 
+@pytest.mark.slow
 def test_lora_in_test_mode_trains_only_the_adapters(model_path, pairs_path, tmp_path):
     out = tmp_path / "run"
     metrics = run_script(model_path, pairs_path, out, "--lora", "--lora-rank", "2")
@@ -140,6 +142,7 @@ def test_lora_in_test_mode_trains_only_the_adapters(model_path, pairs_path, tmp_
     assert metrics["dpo"]["pairs"]["margin"] != 0.0
 
 
+@pytest.mark.slow
 def test_the_sft_term_adds_the_chosen_answers_loss(model_path, pairs_path, tmp_path):
     metrics = run_script(model_path, pairs_path, tmp_path / "run", "--sft-weight", "0.5")
     assert metrics["config"]["sft_weight"] == 0.5
@@ -152,6 +155,7 @@ def test_the_sft_term_adds_the_chosen_answers_loss(model_path, pairs_path, tmp_p
 
 
 @pytest.mark.parametrize("trainable", ["all", "lora"])
+@pytest.mark.slow
 def test_training_leaves_the_reference_as_it_started(model_path, pairs_path, trainable):
     # The script's defaults with --test-mode --trainable {trainable} --lr 1e-2.
     config = DPOConfig(epochs=1, batch_size=8, lr=1e-2, beta=0.1, trainable=trainable)
@@ -172,6 +176,7 @@ def test_training_leaves_the_reference_as_it_started(model_path, pairs_path, tra
     assert all(torch.equal(base[name], start[name]) for name in start)
 
 
+@pytest.mark.slow
 def test_a_missing_default_model_is_trained_by_chapter_5_and_its_failure_named(tmp_path, pairs_path):
     # runs/instructions is a file here, so chapter 5's script, asked to train the default model into that
     # folder, refuses its --out-dir (status 2): what the flags it gets are, and what its failure is, is printed.

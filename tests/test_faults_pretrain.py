@@ -1,7 +1,7 @@
 """Faults of the pretraining pipeline (issue 12): each bad input or lost state gives a clear, early outcome.
 
-A table of cases, each run through ch04-pretraining/pretrain.py's main(argv) or the package's API:
-the exit status or exception, a pattern the message must match, and the files that must come
+A table of cases, each run through ch04-pretraining/pretrain.py (run in this process, tests/scripts.py) or the
+package's API: the exit status or exception, a pattern the message must match, and the files that must come
 out unchanged (byte for byte). Then the cases that need more than a table: signals, a full disk,
 stale temporaries, and the order of leaving the process group.
 """
@@ -31,17 +31,15 @@ from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.train import Trainer
 from processes import start_until_lines
-from test_pretraining import pretrain
+from scripts import run_script
 from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, model_config, tokenizer
 
 RUN = "run"  # the run folder, under tmp_path
 
 
-def run_main(argv: list[str]) -> int:
-    try:
-        return pretrain.main(argv)
-    except SystemExit as exit_info:
-        return exit_info.code
+def run_main(argv: list[str]) -> int | str:
+    """pretrain.py run with ``argv``, in this process: its exit status."""
+    return run_script("pretrain", argv)
 
 
 def digest(path: Path) -> str | None:
@@ -53,7 +51,7 @@ def finished_run(tmp_path_factory) -> Path:
     """A tiny finished run (4 steps, a checkpoint every 2), copied afresh for each test that needs one."""
     folder = tmp_path_factory.mktemp("finished")
     (folder / "text.txt").write_text(TEXT, encoding="utf-8")
-    assert pretrain.main(["--data", str(folder / "text.txt"), "--out-dir", str(folder / RUN), "--max-steps", "4",
+    assert run_main(["--data", str(folder / "text.txt"), "--out-dir", str(folder / RUN), "--max-steps", "4",
                           "--checkpoint-interval", "2", *PRETRAIN_FLAGS]) == 0
     return folder
 
@@ -73,7 +71,7 @@ def copy_run(finished_run: Path, tmp_path: Path) -> Path:
 
 @dataclass
 class ScriptCase:
-    """pretrain.main(setup(tmp_path) + PRETRAIN_FLAGS) exits with ``code``, ``message`` in its output."""
+    """pretrain.py run with setup(tmp_path) + PRETRAIN_FLAGS exits with ``code``, ``message`` in its output."""
 
     name: str
     setup: Callable[[Path], list[str]]
@@ -465,7 +463,7 @@ def test_no_trainer_is_alive_when_the_process_group_is_left(tmp_path, finished_r
             assert run_main(argv) == code
         else:
             with pytest.raises(error):  # an unexpected error still shows its traceback
-                pretrain.main(argv)
+                run_main(argv)
         assert len(seen) == calls + 1 and seen[-1] == [], "teardown not called, or called with a Trainer alive"
 
     leaves_cleanly(["--out-dir", str(run), "--resume", "--max-steps", "5", "--no-progress"], 0)  # success

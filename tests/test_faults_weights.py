@@ -6,7 +6,6 @@ bool, NaN and infinite weights are refused by name in every kind of file, before
 spam classifier given where a language model is expected says what it is.
 """
 
-import importlib.util
 import re
 import shutil
 import struct
@@ -27,9 +26,9 @@ from llmscratch.model import GPT, GPTConfig
 from llmscratch.sharded_checkpoint import META_FILE, SHARDED_FORMAT, read_meta
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.weights import load_hf, load_model_and_tokenizer, save_hf
+from scripts import run_script
 from test_faults_pretrain import copy_run, digest, finished_run, run_main  # noqa: F401 (a fixture)
 
-GENERATE = Path(__file__).resolve().parents[1] / "ch03-architecture" / "generate.py"
 TENSOR = "blocks.0.mlp.up.weight"  # the tensor each case spoils: (32, 16), 512 values
 HF_TENSOR = "model.layers.0.mlp.up_proj.weight"  # the same, as a Hugging Face folder names it
 
@@ -45,13 +44,8 @@ def tokenizer() -> BPETokenizer:
 
 
 def generate(argv: list[str]) -> str:
-    """ch03-architecture/generate.py's main(argv), which must exit with "error: ..." (status 1)."""
-    spec = importlib.util.spec_from_file_location("faults_weights_generate", GENERATE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with pytest.raises(SystemExit) as exit_info:
-        module.main([*argv, "--max-new-tokens", "2"])
-    message = exit_info.value.code
+    """ch03-architecture/generate.py run with ``argv``, which must exit with "error: ..." (status 1)."""
+    message = run_script("generate", [*argv, "--max-new-tokens", "2"])
     assert isinstance(message, str) and message.startswith("error: ") and "Traceback" not in message, message
     return message
 

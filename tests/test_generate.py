@@ -71,6 +71,7 @@ def hf_llama():
 
 
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama-gqa"])
+@pytest.mark.slow
 def test_greedy_matches_transformers(tmp_path, build):
     reference = build()
     reference.save_pretrained(tmp_path)
@@ -88,6 +89,7 @@ def test_greedy_matches_transformers(tmp_path, build):
     assert torch.equal(generate(ours, idx, 40, use_cache=False), expected)
 
 
+@pytest.mark.slow
 def test_compiled_decoding_compiles_once_and_matches_eager_and_transformers(tmp_path):
     """compile=True: one graph for 50 decoded tokens, the tokens of the eager path and of transformers."""
     reference = hf_gpt2()  # learned positions: the position table is read at a tensor too
@@ -116,6 +118,7 @@ def first_steps(rows: torch.Tensor, token: int) -> list[float]:
 
 
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama-gqa"])
+@pytest.mark.slow
 def test_rows_stopping_at_eos_match_transformers(tmp_path, build):
     """A batch whose rows reach EOS at different steps: the same tokens and padding as transformers."""
     reference = build()
@@ -229,6 +232,7 @@ def test_a_tiny_temperature_samples_the_largest_logits(temperature):
     assert torch.equal(generate(model, idx, 10, temperature=1e-45, generator=generator), generate(model, idx, 10))
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_with_a_seed():
     model = tiny("gpt2")
     idx = prompts(3, 5, model.config.vocab_size)

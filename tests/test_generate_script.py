@@ -95,6 +95,7 @@ def test_both_saved_forms_hold_the_trained_model_and_its_tokenizer(ours, target)
     assert greedy.stdout.decode("utf-8") == expected + "\n"
 
 
+@pytest.mark.slow
 def test_options_greedy_seed_dtype_and_empty_prompt(ours):
     """Each from the command line (the two saved forms hold the same model: the test above)."""
     folder, model, tokenizer = ours
@@ -125,6 +126,7 @@ def test_help_explains_every_flag():
         assert flag in text
 
 
+@pytest.mark.slow
 def test_a_bad_path_or_file_is_a_clear_error_not_a_traceback(tmp_path):
     nowhere = run(tmp_path / "nowhere")
     assert nowhere.returncode == 2 and b"nowhere: no such file or folder" in nowhere.stderr
@@ -152,6 +154,7 @@ def test_bad_flags_are_named(ours, argv, message):
     assert re.search(message, result.stderr.decode())
 
 
+@pytest.mark.slow
 def test_bad_content_is_named(ours, hf_gpt2, tmp_path):
     folder, model, tokenizer = ours
 

@@ -184,3 +184,31 @@ def test_a_head_module_under_bfloat16_autocast_is_close_to_autocast_reference():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)  # the same bf16 products
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-8)
     assert got != F.cross_entropy(head(h32), targets)  # and they were bf16: the head ran under autocast
+
+
+def test_left_out_of_compiled_graphs_and_dynamo_not_imported_until_then():
+    """Both losses run eagerly inside torch.compile (a graph break, equal results), and importing the model does
+    not import torch._dynamo (about 2 s of every script's start-up)."""
+    import subprocess
+    import sys
+
+    code = "import sys, llmscratch.model, llmscratch.losses; print('torch._dynamo' in sys.modules)"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert imported.stdout.strip() == "False", imported.stderr
+
+    import llmscratch.losses as losses
+
+    seen = []
+    hidden, weight, targets = problem()
+    head = nn.Linear(16, 53, bias=False, dtype=torch.float64)
+    for fn, arg in ((losses.linear_cross_entropy, weight), (losses.head_cross_entropy, head)):
+        def step(h, fn=fn, arg=arg):
+            seen.append(torch.compiler.is_compiling())  # traced: True; run eagerly: False
+            return fn(torch.sin(h), arg, targets) * 2
+
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(hidden.detach())
+        assert explained.graph_break_count >= 1, f"{fn.__name__} was traced into the graph"
+        compiled = torch.compile(step, backend="eager")(hidden.detach())
+        torch.testing.assert_close(compiled, step(hidden.detach()), rtol=0, atol=0)
+    assert True in seen  # the steps themselves were traced

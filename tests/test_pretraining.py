@@ -1,6 +1,5 @@
 """ch04-pretraining/pretrain.py: a tiny run end to end, SIGKILL then --resume, and its bad-input errors."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,11 +14,8 @@ from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint, tokeni
 from llmscratch.corpus import prepare_token_files
 from llmscratch.tokenizer import BPETokenizer
 from processes import start_until_lines
-from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT
-
-_spec = importlib.util.spec_from_file_location("pretrain", PRETRAIN)
-pretrain = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pretrain)
+from scripts import run_script
+from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, pretrain_with_hook
 
 
 @pytest.fixture
@@ -32,7 +28,8 @@ def text_file(tmp_path) -> Path:
 @pytest.mark.slow
 def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file, capsys):
     out = tmp_path / "run"
-    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "4", *PRETRAIN_FLAGS]) == 0
+    assert run_script("pretrain", ["--data", str(text_file), "--out-dir", str(out), "--max-steps", "4",
+                                   *PRETRAIN_FLAGS]) == 0
     printed = capsys.readouterr().out
     assert "done in" in printed and "bits per byte" in printed
     for name in ("checkpoint.pt", "model.safetensors", "tokenizer.json", "run.json", "metrics.jsonl", "loss.png",
@@ -49,27 +46,26 @@ def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file
     assert tokenizer_from_checkpoint(out / "model.safetensors").to_json() == BPETokenizer.load(
         out / "tokenizer.json").to_json()
     # --resume needs no other flags: the run's own are read back; a larger --max-steps extends it.
-    assert pretrain.main(["--out-dir", str(out), "--resume", "--max-steps", "6"]) == 0
+    assert run_script("pretrain", ["--out-dir", str(out), "--resume", "--max-steps", "6"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
     assert json.loads((out / "run.json").read_text())["max_steps"] == 6
     # A finished run is not silently overwritten.
-    with pytest.raises(SystemExit) as exit_info:
-        pretrain.main(["--data", str(text_file), "--out-dir", str(out), *PRETRAIN_FLAGS])
-    assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
-    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--overwrite",
-                          *PRETRAIN_FLAGS]) == 0
+    assert run_script("pretrain", ["--data", str(text_file), "--out-dir", str(out), *PRETRAIN_FLAGS]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert run_script("pretrain", ["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--overwrite",
+                                   *PRETRAIN_FLAGS]) == 0
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
 
 
 @pytest.mark.slow
 def test_a_run_from_before_the_mlp_flag_resumes_with_its_presets_mlp(tmp_path, text_file):
     out = tmp_path / "run"
-    assert pretrain.main(["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--mlp", "preset",
-                          *PRETRAIN_FLAGS]) == 0
+    assert run_script("pretrain", ["--data", str(text_file), "--out-dir", str(out), "--max-steps", "2", "--mlp",
+                                   "preset", *PRETRAIN_FLAGS]) == 0
     flags = json.loads((out / "run.json").read_text())
     del flags["mlp"]  # run.json as the script wrote it before issue 18 added --mlp (default relu2)
     (out / "run.json").write_text(json.dumps(flags))
-    assert pretrain.main(["--out-dir", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert run_script("pretrain", ["--out-dir", str(out), "--resume", "--max-steps", "3"]) == 0
     resumed = model_from_checkpoint(out / "checkpoint.pt")
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 3 and resumed.config.mlp == "swiglu"
 
@@ -129,9 +125,8 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses(tmp_path, text_fil
     (["--final-eval-tokens", "0"], None),
 ])
 def test_bad_flags_stop_before_training_with_a_clear_message(tmp_path, text_file, capsys, flags, bound):
-    with pytest.raises(SystemExit) as exit_info:
-        pretrain.main(["--data", str(text_file), "--out-dir", str(tmp_path / "run"), *PRETRAIN_FLAGS, *flags])
-    assert exit_info.value.code == 2
+    assert run_script("pretrain", ["--data", str(text_file), "--out-dir", str(tmp_path / "run"), *PRETRAIN_FLAGS,
+                                   *flags]) == 2
     error = capsys.readouterr().err.splitlines()[-1]  # (after argparse's usage, which names every flag)
     assert "error: " in error and all(part in error for part in flags), error
     assert bound is None or bound in error, error
@@ -140,11 +135,7 @@ def test_bad_flags_stop_before_training_with_a_clear_message(tmp_path, text_file
 
 def test_bad_paths_and_data_stop_before_training(tmp_path, text_file, capsys):
     def fails(flags, message, code=2):
-        try:
-            result = pretrain.main(flags)
-        except SystemExit as exit_info:
-            result = exit_info.code
-        assert result == code
+        assert run_script("pretrain", flags) == code
         assert message in capsys.readouterr().err
         assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
@@ -174,20 +165,22 @@ def test_a_token_folder_trains(tmp_path, capsys):
     prepare_token_files(tmp_path / "text.txt", tmp_path / "tokens", tokenizer)
     tokenizer.save(tmp_path / "tok.json")
     flags = [f for f in PRETRAIN_FLAGS if f not in ("--tokenizer", "bpe:300")]
-    assert pretrain.main(["--data", str(tmp_path / "tokens"), "--tokenizer", str(tmp_path / "tok.json"),
-                          "--out-dir", str(tmp_path / "run"), "--max-steps", "2", *flags]) == 0
+    assert run_script("pretrain", ["--data", str(tmp_path / "tokens"), "--tokenizer", str(tmp_path / "tok.json"),
+                                   "--out-dir", str(tmp_path / "run"), "--max-steps", "2", *flags]) == 0
     assert "train and" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 
 
-def test_help_explains_every_flag(capsys):
-    with pytest.raises(SystemExit):
-        pretrain.main(["--help"])
-    shown = capsys.readouterr().out
-    for action in pretrain.build_parser()._actions:
-        for flag in action.option_strings:
-            assert flag in shown
-        assert action.help, action.option_strings
+def test_help_explains_every_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # "  --flag VALUE   what it does", or what it does on the next line
+    assert run_script("pretrain", ["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    flags = [i for i, line in enumerate(lines) if line.startswith("  -")]
+    assert len(flags) > 40 and any(lines[i].startswith("  --out-dir") for i in flags)
+    for i in flags:
+        same_line = "  " in lines[i].strip()
+        next_line = i + 1 < len(lines) and lines[i + 1].startswith("    ") and not lines[i + 1].startswith("  -")
+        assert same_line or next_line, f"no help for {lines[i].strip()}"
 
 
 @pytest.mark.slow
@@ -197,15 +190,27 @@ def test_the_bundled_pretrained_model_is_the_default_runs(tmp_path):
     It is the default run on a CPU with AMX, where the default trains in bfloat16: its NOTICE
     command pins --dtype bfloat16 (the dtype changes the run, not the model's config).
     """
-    from llmscratch import distributed
     from llmscratch.assets import PRETRAINED_PATH, read_pretraining_metrics
+    from llmscratch.config import TrainConfig
     from llmscratch.evaluation import evaluate, token_byte_lengths
+    from llmscratch.model import GPTConfig
     from llmscratch.optim import learning_rate
-    from llmscratch.pretraining import build_configs, load_data
 
-    args = pretrain.parse_args(["--out-dir", str(tmp_path / "run"), "--dtype", "bfloat16"])
-    tokenizer, _, val, _ = load_data(args, distributed.DistInfo(device=torch.device("cpu")))
-    model_config, train_config = build_configs(args, tokenizer, torch.device("cpu"))
+    # The default run as the script starts it, stopped after its first step with what it trains and holds out.
+    seen = tmp_path / "default_run.pt"
+    hooked = pretrain_with_hook(tmp_path / "hooked.py", f"""
+        if self.step == 1:
+            import dataclasses, torch
+            torch.save({{"model_config": self.model.config.to_dict(), "train_config": dataclasses.asdict(self.config),
+                        "val": torch.as_tensor(self.val_tokens), "tokenizer": self.tokenizer.to_json()}}, {str(seen)!r})
+            os._exit(0)
+        """)
+    started = subprocess.run([sys.executable, str(hooked), "--out-dir", str(tmp_path / "run"), "--dtype", "bfloat16",
+                              "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0 and seen.is_file(), started.stderr[-4000:]
+    run = torch.load(seen, weights_only=True)
+    model_config, train_config = GPTConfig(**run["model_config"]), TrainConfig(**run["train_config"])
+    tokenizer, val = BPETokenizer.from_json(run["tokenizer"]), run["val"].numpy()
     model = model_from_checkpoint(PRETRAINED_PATH)
     assert model.config == model_config
     assert tokenizer_from_checkpoint(PRETRAINED_PATH).to_json() == tokenizer.to_json()  # trained afresh here

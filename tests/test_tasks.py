@@ -187,6 +187,7 @@ def test_on_policy_where_the_model_was_wrong_and_well_formed(built):
                                                                            False: len(RECORDS) - len(RECORDS) // 4}
 
 
+@pytest.mark.slow
 def test_missing_answer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no answer to 1 of the 1560 prompts"):
         tasks.build_preference_data(RECORDS, fake_answers(RECORDS)[1:], 0)
@@ -204,6 +205,7 @@ def test_missing_answer_is_a_clear_error(tmp_path):
 
 
 # --------------------------------------------------------------------------- --check
+@pytest.mark.slow
 def test_check_passes_on_a_fresh_build_and_names_the_first_difference(built, tmp_path):
     for name in ("answers.json", "preferences.json", "choices.json"):
         shutil.copy(built["folder"] / name, tmp_path / name)
@@ -295,6 +297,7 @@ def test_random_guessing_scores_a_quarter(built):
 
 # --------------------------------------------------------------------------- answers made by a model
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_answers_from_a_model(tmp_path):
     text = read_moby_dick()[:8_000]
     tokenizer = BPETokenizer.train(text, 300, special_tokens=["<|endoftext|>"])
