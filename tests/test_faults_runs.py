@@ -505,8 +505,11 @@ def test_instruction_data_asked_for_more_than_a_family_holds_fails_at_once(tmp_p
 
 
 def test_ctrl_c_in_a_data_script_is_a_line_and_status_130_not_a_traceback(tmp_path):
+    # Ctrl-C as in a terminal: a process started in the background of a non-interactive shell (a CI job, say)
+    # inherits SIGINT ignored, and Python then leaves it ignored; the script gets the default disposition back.
     tokenizer = subprocess.Popen([sys.executable, str(SCRIPTS["tokenizer"]), "--vocab-size", "8000", "--out",
-                                  str(tmp_path / "t.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  str(tmp_path / "t.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert tokenizer.stdout.readline().startswith("training on")  # the long part has begun
         tokenizer.send_signal(signal.SIGINT)
