@@ -4,6 +4,7 @@
     python -m benchmarks train generate       # only these
     python -m benchmarks --dry-run train      # print the sections, leave RESULTS.md alone
     python -m benchmarks --threads 1          # steadier timings on a shared machine
+    python -m benchmarks gpu [--dry-run]      # the prepared device check (benchmarks/gpu.py; --help there)
 
 Each benchmark prints a Markdown section on stdout (progress bars go to stderr). In RESULTS.md a
 benchmark's generated section sits between ``<!-- benchmark:NAME -->`` and
@@ -66,6 +67,10 @@ def replace_section(text: str, name: str, section: str) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["gpu"]:  # the device check: its own flags and report (benchmarks/gpu.py)
+        from benchmarks.gpu import main as gpu_check
+
+        sys.exit(gpu_check(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"benchmarks to run, among {', '.join(BENCHMARKS)} (default: all)")

@@ -114,7 +114,7 @@ def section(args: argparse.Namespace) -> str:
         ranks = measure({**vars(args), "parallel": strategy, "tp": tp if strategy == "fsdp+tp" else 1})
         for rank, r in enumerate(ranks):
             planned = plan(config, strategy, args.processes, tp=tp, batch_size=args.batch_size,
-                           context_length=args.context_length, rank=r["dp_rank"])
+                           context_length=args.context_length, rank=r["dp_rank"], device_type="cpu")
             planned_text = " / ".join(format_bytes(getattr(planned, k)) for k in
                                       ("parameters", "gradients", "optimizer", "buffers", "activations"))
             lines.append(f"| {strategy} | {r['mesh'][0]} x {r['mesh'][1]} | {rank} | {format_bytes(r['parameters'])} "

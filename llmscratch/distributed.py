@@ -23,6 +23,7 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    launched: bool = False  # started by torchrun, in a process group (also as its only process)
 
     @property
     def is_main(self) -> bool:
@@ -30,7 +31,9 @@ class DistInfo:
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """In a process group: DDP wraps and FSDP shards, also over one process (torchrun --nproc_per_node 1,
+        as on a machine with one GPU: the same code path as on eight)."""
+        return self.world_size > 1 or self.launched
 
 
 def setup(device_name: str = "auto") -> DistInfo:
@@ -59,7 +62,7 @@ def setup(device_name: str = "auto") -> DistInfo:
             dist.init_process_group(backend="nccl", device_id=device)
         else:
             dist.init_process_group(backend="gloo")
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, launched=True)
 
 
 def teardown() -> None:

@@ -101,7 +101,7 @@ def stream(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, a LongTensor (B,), for up to max_new_tokens steps.
 
@@ -117,10 +117,14 @@ def stream(
     the tokenizer's size so that no padding id, which decodes to nothing, is ever chosen.
     compile: run the cached decoding step through ``torch.compile`` (compiled on the first call,
     reused after; see ``compiled_decode_one_token``). The same tokens, faster once compiled.
+    compile="cuda-graphs" (a model on a CUDA device only) also replays the compiled step as one
+    CUDA graph: one launch per token instead of one per kernel, which is most of a small model's
+    batch-1 step on a GPU.
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
     check_sampling(temperature, top_k, top_p)
+    check_compile(compile, model.token_embedding.weight.device)
     idx = _check_prompt(model, idx)
     pad_id = eos_id if pad_id is None else pad_id
     _check_request(model.config, max_new_tokens, eos_id, pad_id, vocab_size)
@@ -128,8 +132,17 @@ def stream(
     def choose(logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
         return sample_next_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)
 
-    step = compiled_decode_one_token() if compile else decode_one_token
-    return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
+    cuda_graphs = compile == "cuda-graphs"
+    step = compiled_decode_one_token(cuda_graphs) if compile else decode_one_token
+    return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step, cuda_graphs)
+
+
+def check_compile(compile: bool | str, device: torch.device) -> None:
+    """ValueError naming the value unless compile is False, True or "cuda-graphs", the last with a model on CUDA."""
+    if not (isinstance(compile, bool) or compile == "cuda-graphs"):
+        raise ValueError(f"compile must be False, True or 'cuda-graphs', got {compile!r}")
+    if compile == "cuda-graphs" and device.type != "cuda":
+        raise ValueError(f"compile='cuda-graphs' needs a model on a CUDA device; this one is on {device}")
 
 
 def _check_prompt(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -178,23 +191,39 @@ def decode_one_token(model: GPT, token: torch.Tensor, input_pos: torch.Tensor,
     return model(token, kv_caches, input_pos=input_pos)[:, -1]  # (B, V)
 
 
-@functools.cache
-def compiled_decode_one_token() -> Callable[..., torch.Tensor]:
-    """``decode_one_token`` through ``torch.compile``, made once per process and shared by all models.
+def compiled_decode_one_token(cuda_graphs: bool = False) -> Callable[..., torch.Tensor]:
+    """``decode_one_token`` through ``torch.compile``, made once per process (per variant) and shared by all models.
 
     The graph is traced on the first call and reused while the model's structure and the
     caches' shapes stay the same; fullgraph=True turns any graph break into an error. Freezing
     treats the weights as constants, so the CPU backend packs them once into the layout its
     matrix-vector kernels read fastest (see benchmarks/RESULTS.md for what that gains).
+
+    cuda_graphs: also record the compiled step as a CUDA graph and replay it (inductor's
+    "triton.cudagraphs" option, which mode="reduce-overhead" sets). A graph reads and writes fixed
+    addresses: the weights stay put, ``_decode`` marks the caches static, the token and input_pos
+    are copied into the graph's inputs at each replay, and a step's logits are overwritten by the
+    next replay (``_decode`` chooses the token first). No freezing here: its pass drops those
+    static marks (torch 2.13), and inductor then skips the graphs of a step that writes its
+    inputs. A new generation's caches have new addresses: its first step records the graph again.
     """
+    return _compile_decode_one_token(bool(cuda_graphs))
+
+
+@functools.cache  # keyed by the variant alone: compiled_decode_one_token() and (False) share one function
+def _compile_decode_one_token(cuda_graphs: bool) -> Callable[..., torch.Tensor]:
+    if cuda_graphs:
+        return torch.compile(decode_one_token, fullgraph=True, options={"triton.cudagraphs": True})
     return torch.compile(decode_one_token, fullgraph=True, options={"freezing": True})
 
 
 @torch.inference_mode()  # on a generator function, torch enters the mode around each step only
-def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step) -> Iterator[torch.Tensor]:
+def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step,
+            cuda_graphs: bool = False) -> Iterator[torch.Tensor]:
     """The decoding loop of ``stream``, on arguments it checked; choose(logits (B, V)) picks the ids (B,).
 
-    step: ``decode_one_token`` or its compiled version. The model is in eval mode (dropout off) throughout.
+    step: ``decode_one_token`` or its compiled version; cuda_graphs: it replays a CUDA graph, which
+    writes the caches where they were when it was recorded. The model is in eval mode (dropout off) throughout.
     """
     if max_new_tokens == 0:
         return
@@ -210,6 +239,10 @@ def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step)
         slides = total_len - 1 > cache_len
         recent = idx[:, -context_length:]  # (B, <= context_length)
         kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
+        if kv_caches is not None and cuda_graphs:  # the graph writes them where they are, never a copy
+            for cache in kv_caches:
+                torch._dynamo.mark_static_address(cache.keys)
+                torch._dynamo.mark_static_address(cache.values)
         if kv_caches is not None:
             logits = prefill(model, idx, kv_caches)  # (B, V)
         else:

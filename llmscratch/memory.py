@@ -133,11 +133,12 @@ def _unit(name: str) -> str:
 
 def plan(config: GPTConfig, strategy: str, gpus: int, tp: int = 1, batch_size: int = 1,
          context_length: int | None = None, dtype: str = "float32", activation_checkpointing: bool = False,
-         gpu_memory_gib: float = 80.0, rank: int = 0) -> MemoryPlan:
+         gpu_memory_gib: float = 80.0, rank: int = 0, device_type: str = "cuda") -> MemoryPlan:
     """Per-GPU bytes of a training step of ``config`` under ``strategy`` on ``gpus`` GPUs.
 
     batch_size: sequences per GPU per micro-batch; context_length: tokens per sequence (default the
-    model's); dtype: of compute and activations; rank: which FSDP shard (0 has the most rows).
+    model's); dtype: of compute and activations; rank: which FSDP shard (0 has the most rows); device_type:
+    where the step runs ("cpu" for the runs on gloo: the loss's chunks are smaller there).
     """
     dp, tp = check_mesh(config, strategy, gpus, tp)
     context_length = config.context_length if context_length is None else context_length
@@ -173,7 +174,7 @@ def plan(config: GPTConfig, strategy: str, gpus: int, tp: int = 1, batch_size: i
         optimizer=2 * MASTER * local + 4 * tensors, buffers=buffers,
         activations_saved=activation_bytes(config, batch_size, context_length, compute, tp,
                                            activation_checkpointing),
-        loss_workspace=loss_workspace_bytes(config, batch_size * context_length, compute),
+        loss_workspace=loss_workspace_bytes(config, batch_size * context_length, compute, device_type),
         gpu_memory=round(gpu_memory_gib * GIB))
 
 
@@ -226,11 +227,12 @@ def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int, act: int,
     return blocks + outside
 
 
-def loss_workspace_bytes(config: GPTConfig, tokens: int, act: int) -> int:
+def loss_workspace_bytes(config: GPTConfig, tokens: int, act: int, device_type: str = "cuda") -> int:
     """The chunked loss's reused buffers (losses.py): a chunk's logits, their float32 log-softmax (and float32
-    copy), and in mixed precision a compute-dtype and a float32 (V, d) buffer for the head's gradient."""
+    copy), and in mixed precision a compute-dtype and a float32 (V, d) buffer for the head's gradient. Chunks
+    are larger on a GPU than on a CPU (``losses.CHUNK_BYTES``)."""
     vocab = config.vocab_size
-    chunks = -(-tokens // default_chunk_rows(vocab))
+    chunks = -(-tokens // default_chunk_rows(vocab, device_type))
     rows = -(-tokens // chunks)  # equal chunks, as losses.py makes them
     workspace = rows * vocab * (act + 4)
     if act != 4:

@@ -1,6 +1,8 @@
 """DistributedDataParallel on CPU (gloo): two processes train as one process with their joint batch (to float32 rounding)."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from llmscratch import distributed
 from llmscratch.checkpoint import load_checkpoint
 from llmscratch.distributed import DistInfo, resolve_device
+from processes import run as run_process
 from processes import spawn, torchrun
 from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, JointBatches, losses, make_trainer, tokens
 from tolerances import assert_adamw_runs_agree
@@ -89,6 +92,29 @@ def test_torchrun_runs_the_pretraining_script_unchanged(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
     assert len(load_checkpoint(tmp_path / "run" / "checkpoint.pt")["batches"]) == 2
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_one_torchrun_process_takes_the_parallel_path_and_trains_as_a_plain_process(tmp_path):
+    """torchrun --nproc_per_node 1 (a machine with one GPU) wraps and shards as with many processes: --parallel fsdp
+    writes the sharded checkpoint folder, and the losses are those of the same run without torchrun."""
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    flags = ["--data", str(tmp_path / "text.txt"), *PRETRAIN_FLAGS, "--device", "cpu", "--max-steps", "3"]
+    for parallel in ("ddp", "fsdp"):
+        launched = torchrun(PRETRAIN, [*flags, "--out-dir", str(tmp_path / parallel), "--parallel", parallel],
+                            timeout=300, nproc=1)
+        assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert (tmp_path / "fsdp" / "checkpoint").is_dir() and not (tmp_path / "fsdp" / "checkpoint.pt").exists()
+    assert "(fsdp: sharded)" in launched.stdout
+    plain = run_process([sys.executable, str(PRETRAIN), *flags, "--out-dir", str(tmp_path / "plain")], timeout=300,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert plain.returncode == 0, plain.stderr
+    def run_losses(folder: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    for parallel in ("ddp", "fsdp"):
+        assert run_losses(tmp_path / parallel) == pytest.approx(run_losses(tmp_path / "plain"), rel=1e-5), parallel
 
 
 def test_device_names_are_checked():

@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach fo
 import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
 
 from llmscratch.generate import (  # noqa: E402
-    generate, generate_text, sample_next_token, stream, stream_text, top_k_filter, top_p_filter,
+    compiled_decode_one_token, generate, generate_text, sample_next_token, stream, stream_text, top_k_filter,
+    top_p_filter,
 )
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
@@ -110,6 +111,14 @@ def test_compiled_decoding_compiles_once_and_matches_eager_and_transformers(tmp_
     # Past the context (64 positions), the window slides as without the cache.
     idx = prompts(1, 40, ours.config.vocab_size, seed=5)
     assert torch.equal(generate(ours, idx, 30, compile=True), generate(ours, idx, 30, use_cache=False))
+
+
+def test_each_compiled_decoding_step_is_made_once_per_process():
+    """However the variant is asked for; the one with CUDA graphs is another function."""
+    plain = compiled_decode_one_token()
+    assert compiled_decode_one_token(False) is plain and compiled_decode_one_token(cuda_graphs=False) is plain
+    graphs = compiled_decode_one_token(cuda_graphs=True)
+    assert compiled_decode_one_token(True) is graphs and graphs is not plain
 
 
 def first_steps(rows: torch.Tensor, token: int) -> list[float]:
@@ -341,6 +350,9 @@ def test_with_cache_past_the_context_the_window_slides_as_without(kind, prompt_l
     (dict(eos_id=97), "eos_id=97 is not a token id"),
     (dict(eos_id=3, pad_id=-1), "pad_id=-1 is not a token id"),
     (dict(pad_id=0), "pad_id=0 needs an eos_id"),
+    (dict(compile="fast"), "compile must be False, True or 'cuda-graphs', got 'fast'"),
+    (dict(compile=None), "compile must be False, True or 'cuda-graphs', got None"),
+    (dict(compile="cuda-graphs"), "compile='cuda-graphs' needs a model on a CUDA device; this one is on cpu"),
 ])
 def test_bad_arguments_are_named(change, message):
     model = tiny("gpt2")

@@ -212,3 +212,17 @@ def test_left_out_of_compiled_graphs_and_dynamo_not_imported_until_then():
         compiled = torch.compile(step, backend="eager")(hidden.detach())
         torch.testing.assert_close(compiled, step(hidden.detach()), rtol=0, atol=0)
     assert True in seen  # the steps themselves were traced
+
+
+def test_chunks_are_larger_on_a_gpu_and_the_memory_plan_follows():
+    """About 64 MiB of float32 logits per chunk on a CPU, 1 GiB on CUDA (small products waste a GPU)."""
+    from llmscratch.losses import CHUNK_BYTES, default_chunk_rows
+    from llmscratch.memory import loss_workspace_bytes
+
+    for device_type in ("cpu", "cuda"):
+        rows = default_chunk_rows(50304, device_type)
+        assert rows * 4 * 50304 <= CHUNK_BYTES[device_type] < (rows + 1) * 4 * 50304
+    assert default_chunk_rows(50304, "mps") == default_chunk_rows(50304, "cpu")
+    assert default_chunk_rows(10**9, "cuda") == 16  # never fewer rows than that
+    config = GPTConfig(vocab_size=50304, d_model=64, n_layers=1, n_heads=2)
+    assert loss_workspace_bytes(config, 16 * 1024, 2, "cuda") > 10 * loss_workspace_bytes(config, 16 * 1024, 2, "cpu")

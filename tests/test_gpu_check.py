@@ -1,0 +1,122 @@
+"""The prepared device check (benchmarks/gpu.py, issue 29) cannot rot between lendings of a GPU.
+
+Its dry run on this CPU machine finds every program of the plan, every flag it passes, and the test file; its
+runner gives each part the status it earned (passed, failed, timed out, skipped for time), checked here
+with small stand-in parts; without a GPU a real run stops at once with a clear message.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu
+from processes import run as run_process
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_dry_run_finds_every_program_flag_and_test_file(tmp_path):
+    done = run_process([sys.executable, "-m", "benchmarks", "gpu", "--dry-run", "--out", str(tmp_path / "report")],
+                       timeout=500, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report" / "gpu_report.json").read_text())
+    assert report["dry_run"] is True
+    assert list(report["parts"]) == [part.name for part in gpu.plan()]
+    for name, part in report["parts"].items():
+        assert part["status"] == "dry-run ok", (name, part.get("why"))
+    assert sum(part["limit_s"] for part in report["parts"].values()) <= gpu.BUDGET_S == 480
+    markdown = (tmp_path / "report" / "gpu_report.md").read_text()
+    assert markdown.count("| dry-run ok |") == len(gpu.plan())
+    assert "--help" in (tmp_path / "report" / "gpu_log.txt").read_text()
+
+
+def test_the_dry_run_names_a_flag_a_program_does_not_take(tmp_path, monkeypatch):
+    part = gpu.Part("made_up", "a step with a flag no program has", 10,
+                    [gpu.Step([sys.executable, "-m", "benchmarks.gpu_memory", "--no-such-flag", "1"])], [])
+    outcome = gpu.dry_check(part, tmp_path, tmp_path, log=[])
+    assert outcome["status"] == "dry-run failed" and "--no-such-flag" in outcome["why"]
+
+
+def stand_in(name: str, code: str, limit_s: int = 60, results: tuple[str, ...] = ("r.json",)) -> gpu.Part:
+    """A part of one Python step running ``code`` ("{work}" is the work folder)."""
+    return gpu.Part(name, name, limit_s, [gpu.Step([sys.executable, "-c", code])], list(results))
+
+
+def test_each_part_gets_the_status_it_earned(tmp_path, monkeypatch):
+    work, log = tmp_path / "work", []
+    work.mkdir()
+    plenty = lambda: 400.0  # noqa: E731
+    writes = "import json, pathlib; pathlib.Path('{work}/r.json').write_text(json.dumps({{'x': 1}}))"
+    passed = gpu.run_part(stand_in("ok", writes), tmp_path, work, plenty, log)
+    assert passed["status"] == "passed" and passed["results"] == {"r.json": {"x": 1}}
+
+    failed = gpu.run_part(stand_in("bad", "import sys; print('boom'); sys.exit(3)"), tmp_path, work, plenty, log)
+    assert failed["status"] == "failed" and failed["why"] == "exit status 3" and "boom" in failed["output"]
+
+    (work / "r.json").unlink()
+    silent = gpu.run_part(stand_in("silent", "pass"), tmp_path, work, plenty, log)  # exit 0, no result file
+    assert silent["status"] == "failed" and "r.json" in silent["why"]
+
+    slow = gpu.run_part(stand_in("slow", "import time; time.sleep(60)", limit_s=2), tmp_path, work, plenty, log)
+    assert slow["status"] == "timed out" and slow["seconds"] < 30
+
+    # The overall budget caps a part's own limit, and a part is not started with too little of it left.
+    monkeypatch.setattr(gpu, "MIN_START_S", 1)
+    capped = gpu.run_part(stand_in("capped", "import time; time.sleep(60)", limit_s=300), tmp_path, work,
+                          lambda: 3.0, log)
+    assert capped["status"] == "timed out" and capped["seconds"] < 20
+    skipped = gpu.run_part(stand_in("late", writes), tmp_path, work, lambda: 0.5, log)
+    assert skipped["status"] == "skipped" and not (work / "r.json").exists()
+    assert len(log) == 5  # every started command's output is kept for gpu_log.txt
+
+
+def test_the_report_says_what_ran_failed_and_was_skipped(tmp_path):
+    parts = gpu.plan()
+    facts = {"date": "2026-11-27", "python": "3.12", "torch": "2.11", "cuda": "13.0", "gpu": "NVIDIA H100",
+             "gpu_memory_gib": 79.2, "commit": "abc", "transformers": "5.17"}
+    junit = tmp_path / "cuda_tests.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_cuda" name="test_a"/>'
+                     '<testcase classname="tests.test_cuda" name="test_b"><failure message="x"/></testcase>'
+                     '</testsuite></testsuites>')
+    run_summary = {"steps": 800, "val_bits_per_byte": 1.97, "train_seconds": 41.0, "tokens_per_s": 400000.0}
+    outcomes = {"cuda_tests": {"status": "passed", "seconds": 50.0,
+                               "results": {"cuda_tests.xml": gpu.junit_counts(junit)}},
+                "train": {"status": "failed", "seconds": 12.0, "why": "exit status 1", "output": "Traceback"},
+                "decode": {"status": "timed out", "seconds": 80.0, "why": "killed after 80 s"},
+                "main_job": {"status": "passed", "seconds": 60.0, "results": {"main/summary.json": run_summary}},
+                "torchrun": {"status": "skipped", "seconds": 0.0, "why": "12 s of the budget left"}}
+    markdown = gpu.write_report(tmp_path / "out", facts, parts, outcomes, dry_run=False, wall=202.0, log=["$ x"])
+    rows = {line.split(" | ")[0].strip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "| passed |" in rows["cuda_tests"] and "1 passed, 1 failed" in rows["cuda_tests"]
+    assert "tests.test_cuda::test_b" in rows["cuda_tests"]
+    assert "| failed |" in rows["train"] and "exit status 1" in rows["train"]
+    assert "| timed out |" in rows["decode"] and "| skipped |" in rows["torchrun"]
+    assert "800 steps, val 1.970 bits per byte" in rows["main_job"]
+    assert "NVIDIA H100, 79.2 GiB" in markdown and "Wall time 202 s" in markdown
+    saved = json.loads((tmp_path / "out" / "gpu_report.json").read_text())
+    assert saved["parts"]["train"]["output"] == "Traceback" and saved["parts"]["torchrun"]["status"] == "skipped"
+    assert saved["parts"]["decode"]["limit_s"] == next(p.limit_s for p in parts if p.name == "decode")
+
+
+def test_the_report_lines_read_the_recorded_gpu_run():
+    """The H200 run of 2026-11-27 (benchmarks/gpu_reports/), its results summarised as the report writes them."""
+    report = json.loads((ROOT / "benchmarks" / "gpu_reports" / "2026-11-27-h200.json").read_text())
+    lines = {name: gpu.summary_of(name, part) for name, part in report["parts"].items()}
+    assert all(line and "unreadable" not in line for line in lines.values()), lines
+    assert lines["cuda_tests"] == "22 passed, 0 failed, 0 skipped"
+    assert "gpt2-small bf16-compiled: 184,948 vs transformers 381,637 tokens/s (0.48x)" in lines["train"]
+    assert "compiled-cuda-graphs 1,081 (6.17x, 15% of the floor)" in lines["decode"]
+    assert "measured 4.35 GiB, planned 4.88 GiB (0.89)" in lines["torchrun"]
+
+
+def test_a_real_run_without_a_gpu_stops_at_once_with_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu, "environment", lambda: {"gpu": None})  # as on CI's machines, whatever this one has
+    monkeypatch.setattr(gpu, "run_part", lambda *args: pytest.fail("a part started without a GPU"))
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--out", str(tmp_path / "report")])
+    assert "no CUDA GPU here" in str(exit_info.value.code) and "--dry-run" in str(exit_info.value.code)
+    assert not (tmp_path / "report").exists()
