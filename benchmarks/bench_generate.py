@@ -28,9 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 
 import transformers  # noqa: E402
 
-from benchmarks.bench_train import device_flag, device_name  # noqa: E402
-from benchmarks.common import (add_threads_flag, load_average, machine_description, median,  # noqa: E402
-                               set_threads, today)
+from benchmarks.common import (add_threads_flag, device_flag, device_name, load_average,  # noqa: E402
+                               machine_description, median, set_threads, today)
 from llmscratch.atomic import write_json_atomically  # noqa: E402
 from llmscratch.generate import generate  # noqa: E402
 from llmscratch.model import GPT  # noqa: E402

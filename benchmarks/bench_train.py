@@ -31,11 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 import transformers  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    add_threads_flag, load_average, machine_description, median, set_threads, today,
+    add_threads_flag, device_flag, device_name, load_average, machine_description, median, set_threads, today,
 )
 from llmscratch.atomic import write_json_atomically  # noqa: E402
-from llmscratch.device import autocast, resolve_device  # noqa: E402
-from llmscratch.flops import cpu_model, gpu_peak_flops, measure_matmul_flops  # noqa: E402
+from llmscratch.device import autocast  # noqa: E402
+from llmscratch.flops import gpu_peak_flops, measure_matmul_flops  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.profiling import peak_memory_bytes, round_robin, time_once  # noqa: E402
 from llmscratch.train import TrainConfig, configure_optimizer  # noqa: E402
@@ -220,25 +220,6 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--json {args.json} is a folder; give the path of the file to write")
     set_threads(parser, args.threads)
     return args
-
-
-def device_flag(parser: argparse.ArgumentParser, name: str) -> torch.device:
-    """The --device a benchmark runs on, cpu or cuda[:N]; parser.error (exit 2) if it is not one here."""
-    try:
-        kind = torch.device(name).type
-    except RuntimeError:  # not a device name at all
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu, cuda or cuda:N, got {name!r}")
-    try:
-        return resolve_device(name)
-    except ValueError as error:  # a GPU this machine does not have
-        parser.error(f"--device: {error}")
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
 def command() -> str:

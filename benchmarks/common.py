@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: what machine this is, and its threads.
+"""Shared helpers for the benchmarks: what machine this is, its threads, and the device a benchmark runs on.
 
 Timing lives in the package (``llmscratch.profiling``: ``time_once``, ``round_robin``), where the
 chapters' bench scripts use it too.
@@ -12,9 +12,11 @@ import statistics
 
 import torch
 
+from llmscratch.device import resolve_device
 from llmscratch.flops import cpu_model
 
-__all__ = ["add_threads_flag", "load_average", "machine_description", "median", "set_threads", "today"]
+__all__ = ["add_threads_flag", "device_flag", "device_name", "load_average", "machine_description", "median",
+           "set_threads", "today"]
 
 
 def machine_description() -> str:
@@ -49,3 +51,22 @@ def load_average() -> str:
         return ", ".join(f"{value:.2f}" for value in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+def device_flag(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """The --device a benchmark runs on, cpu or cuda[:N]; parser.error (exit 2) if it is not one here."""
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:  # not a device name at all
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    try:
+        return resolve_device(name)
+    except ValueError as error:  # a GPU this machine does not have
+        parser.error(f"--device: {error}")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
