@@ -56,22 +56,28 @@ def saved_bytes(trainer: Trainer) -> int:
     return sum(s.nbytes() for s in storages.values())  # FSDP's gathered weights are freed again: 0 bytes
 
 
+def stepped_trainer(config: GPTConfig, train_config: TrainConfig, info: DistInfo, out: Path) -> Trainer:
+    """A Trainer of ``config`` on random tokens, built as pretrain.py builds it (sharded: rank 0 alone holds the
+    whole model), after one step: AdamW's state exists."""
+    torch.manual_seed(0)
+    sharded = train_config.parallel != "ddp" and info.enabled
+    with torch.device("meta") if sharded and not info.is_main else torch.device("cpu"):
+        model = GPT(config)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 200_000).astype(np.uint16)
+    tokenizer = BPETokenizer.train("Call me Ishmael. " * 20, 260, name="bench")  # (its byte lengths only)
+    trainer = Trainer(model, train_config, tokens, tokens[:4096], out, tokenizer, info)
+    trainer.train_step()
+    return trainer
+
+
 def worker(rank: int, world_size: int, init_file: str, out: str, settings: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        config = model_config(settings)
-        torch.manual_seed(0)
-        sharded = settings["parallel"] != "ddp"
-        with torch.device("meta") if sharded and rank else torch.device("cpu"):  # as pretrain.py builds it
-            model = GPT(config)
-        tokens = np.random.default_rng(0).integers(0, config.vocab_size, 100_000).astype(np.uint16)
-        tokenizer = BPETokenizer.train("Call me Ishmael. " * 20, 260, name="bench")  # (its byte lengths only)
+        info = DistInfo(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
         train_config = TrainConfig(max_steps=2, batch_size=settings["batch_size"], parallel=settings["parallel"],
                                    tp=settings["tp"], peak_tflops=1.0)
-        info = DistInfo(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
-        trainer = Trainer(model, train_config, tokens, tokens[:2000], Path(out) / "run", tokenizer, info)
-        trainer.train_step()  # AdamW's state now exists
+        trainer = stepped_trainer(model_config(settings), train_config, info, Path(out) / "run")
         step_peak = peak_memory_bytes(trainer.train_step, "cpu")  # a whole step, above the resting state
         activations = saved_bytes(trainer)  # one more forward and backward: the gradients exist now
         result = {**local_bytes(trainer.model, trainer.optimizer_step.optimizer), "activations": activations,

@@ -15,17 +15,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from benchmarks.bench_parallel_memory import stepped_trainer
 from llmscratch import distributed
 from llmscratch.atomic import write_json_atomically
 from llmscratch.memory import plan
-from llmscratch.model import PRESETS, GPT, GPTConfig
+from llmscratch.model import PRESETS, GPTConfig
 from llmscratch.parallel import local_bytes
 from llmscratch.profiling import device_description, peak_memory_bytes
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.train import TrainConfig, Trainer
+from llmscratch.train import TrainConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,16 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, info: distributed.DistInfo, out: Path) -> dict:
     config = GPTConfig.from_preset(args.preset, context_length=args.context_length)
-    torch.manual_seed(0)
-    sharded = args.parallel != "ddp" and info.enabled
-    with torch.device("meta") if sharded and not info.is_main else torch.device("cpu"):  # as pretrain.py does
-        model = GPT(config)
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 200_000).astype(np.uint16)
-    tokenizer = BPETokenizer.train("Call me Ishmael. " * 20, 260, name="bench")  # (its byte lengths only)
     train_config = TrainConfig(max_steps=2, batch_size=args.batch_size, parallel=args.parallel, dtype=args.dtype,
                                peak_tflops=1.0)
-    trainer = Trainer(model, train_config, tokens, tokens[:4096], out, tokenizer, info)
-    trainer.train_step()  # AdamW's state now exists
+    trainer = stepped_trainer(config, train_config, info, out)
+    model = trainer.model
     if info.device.type == "cuda":
         torch.cuda.synchronize(info.device)
         torch.cuda.reset_peak_memory_stats(info.device)
