@@ -52,7 +52,7 @@ TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node
 
 @dataclass
 class Step:
-    """One command of a part; "{out}", "{work}" and "{tokenizer}" in its arguments are filled in when it starts."""
+    """One command of a part; "{work}" and "{tokenizer}" in its arguments are filled in when it starts."""
 
     args: list[str]
     program: list[str] = field(default_factory=list)  # what --help is asked of in a dry run (default: args' head)
@@ -99,10 +99,10 @@ def plan() -> list[Part]:
 
 
 # --------------------------------------------------------------------------- running
-def fill(args: list[str], out: Path, work: Path) -> list[str]:
+def fill(args: list[str], work: Path) -> list[str]:
     main_tokenizer = work / "main" / "tokenizer.json"  # the main job's: no second tokenizer training
     tokenizer = str(main_tokenizer) if main_tokenizer.is_file() else "bpe:4096"
-    return [a.format(out=out, work=work, tokenizer=tokenizer) for a in args]
+    return [a.format(work=work, tokenizer=tokenizer) for a in args]
 
 
 def run_command(command: list[str], timeout: float, log: list[str]) -> tuple[int | None, str]:
@@ -125,7 +125,7 @@ def tail(text: str, chars: int) -> str:
     return text if len(text) <= chars else "..." + text[-chars:]
 
 
-def run_part(part: Part, out: Path, work: Path, remaining: Callable[[], float], log: list[str]) -> dict:
+def run_part(part: Part, work: Path, remaining: Callable[[], float], log: list[str]) -> dict:
     if remaining() < MIN_START_S:
         return {"status": "skipped", "why": f"{remaining():.0f} s of the budget left", "seconds": 0.0}
     start = time.monotonic()
@@ -135,7 +135,7 @@ def run_part(part: Part, out: Path, work: Path, remaining: Callable[[], float], 
         if left <= 0:
             return {"status": "timed out", "why": "its limit was spent before this step",
                     "seconds": time.monotonic() - start}
-        status, output = run_command(fill(step.args, out, work), left, log)
+        status, output = run_command(fill(step.args, work), left, log)
         if status is None:
             return {"status": "timed out", "why": f"killed after {part.limit_s} s", "output": tail(output, 1500),
                     "seconds": time.monotonic() - start}
@@ -173,11 +173,11 @@ def junit_counts(path: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- the dry run
-def dry_check(part: Part, out: Path, work: Path, log: list[str]) -> dict:
+def dry_check(part: Part, work: Path, log: list[str]) -> dict:
     """Each step's program imports and takes every flag the plan gives it; the test file collects."""
     start, problems = time.monotonic(), []
     for step in part.steps:
-        args = fill(step.args, out, work)
+        args = fill(step.args, work)
         if "pytest" in args[:3]:
             test_files = [a for a in args if a.startswith("tests/")]
             status, output = run_command([PY, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
@@ -346,9 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         for part in parts:
             print(f"== {part.name}: {part.title} (limit {part.limit_s} s)", file=sys.stderr, flush=True)
             if args.dry_run:
-                outcomes[part.name] = dry_check(part, args.out, work, log)
+                outcomes[part.name] = dry_check(part, work, log)
             else:
-                outcomes[part.name] = run_part(part, args.out, work,
+                outcomes[part.name] = run_part(part, work,
                                                lambda: BUDGET_S - (time.monotonic() - start), log)
             print(f"   {outcomes[part.name]['status']} in {outcomes[part.name]['seconds']:.0f} s "
                   f"{outcomes[part.name].get('why', '')}", file=sys.stderr, flush=True)

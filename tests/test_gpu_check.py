@@ -37,7 +37,7 @@ def test_the_dry_run_finds_every_program_flag_and_test_file(tmp_path):
 def test_the_dry_run_names_a_flag_a_program_does_not_take(tmp_path, monkeypatch):
     part = gpu.Part("made_up", "a step with a flag no program has", 10,
                     [gpu.Step([sys.executable, "-m", "benchmarks.gpu_memory", "--no-such-flag", "1"])], [])
-    outcome = gpu.dry_check(part, tmp_path, tmp_path, log=[])
+    outcome = gpu.dry_check(part, tmp_path, log=[])
     assert outcome["status"] == "dry-run failed" and "--no-such-flag" in outcome["why"]
 
 
@@ -51,25 +51,25 @@ def test_each_part_gets_the_status_it_earned(tmp_path, monkeypatch):
     work.mkdir()
     plenty = lambda: 400.0  # noqa: E731
     writes = "import json, pathlib; pathlib.Path('{work}/r.json').write_text(json.dumps({{'x': 1}}))"
-    passed = gpu.run_part(stand_in("ok", writes), tmp_path, work, plenty, log)
+    passed = gpu.run_part(stand_in("ok", writes), work, plenty, log)
     assert passed["status"] == "passed" and passed["results"] == {"r.json": {"x": 1}}
 
-    failed = gpu.run_part(stand_in("bad", "import sys; print('boom'); sys.exit(3)"), tmp_path, work, plenty, log)
+    failed = gpu.run_part(stand_in("bad", "import sys; print('boom'); sys.exit(3)"), work, plenty, log)
     assert failed["status"] == "failed" and failed["why"] == "exit status 3" and "boom" in failed["output"]
 
     (work / "r.json").unlink()
-    silent = gpu.run_part(stand_in("silent", "pass"), tmp_path, work, plenty, log)  # exit 0, no result file
+    silent = gpu.run_part(stand_in("silent", "pass"), work, plenty, log)  # exit 0, no result file
     assert silent["status"] == "failed" and "r.json" in silent["why"]
 
-    slow = gpu.run_part(stand_in("slow", "import time; time.sleep(60)", limit_s=2), tmp_path, work, plenty, log)
+    slow = gpu.run_part(stand_in("slow", "import time; time.sleep(60)", limit_s=2), work, plenty, log)
     assert slow["status"] == "timed out" and slow["seconds"] < 30
 
     # The overall budget caps a part's own limit, and a part is not started with too little of it left.
     monkeypatch.setattr(gpu, "MIN_START_S", 1)
-    capped = gpu.run_part(stand_in("capped", "import time; time.sleep(60)", limit_s=300), tmp_path, work,
+    capped = gpu.run_part(stand_in("capped", "import time; time.sleep(60)", limit_s=300), work,
                           lambda: 3.0, log)
     assert capped["status"] == "timed out" and capped["seconds"] < 20
-    skipped = gpu.run_part(stand_in("late", writes), tmp_path, work, lambda: 0.5, log)
+    skipped = gpu.run_part(stand_in("late", writes), work, lambda: 0.5, log)
     assert skipped["status"] == "skipped" and not (work / "r.json").exists()
     assert len(log) == 5  # every started command's output is kept for gpu_log.txt
 
