@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llmscratch.attention import KVCache
+from llmscratch.decode_kernels import OneRowMath
 from llmscratch.model import GPT, GPTConfig, evaluating
 
 
@@ -124,7 +125,8 @@ def stream(
     stream is exhausted or closed, then back in its previous mode.
     """
     check_sampling(temperature, top_k, top_p)
-    check_compile(compile, model.token_embedding.weight.device)
+    device = model.token_embedding.weight.device
+    check_compile(compile, device)
     idx = _check_prompt(model, idx)
     pad_id = eos_id if pad_id is None else pad_id
     _check_request(model.config, max_new_tokens, eos_id, pad_id, vocab_size)
@@ -133,7 +135,7 @@ def stream(
         return sample_next_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)
 
     cuda_graphs = compile == "cuda-graphs"
-    step = compiled_decode_one_token(cuda_graphs) if compile else decode_one_token
+    step = compiled_decode_one_token(cuda_graphs, device) if compile else decode_one_token
     return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step, cuda_graphs)
 
 
@@ -191,14 +193,29 @@ def decode_one_token(model: GPT, token: torch.Tensor, input_pos: torch.Tensor,
     return model(token, kv_caches, input_pos=input_pos)[:, -1]  # (B, V)
 
 
-def compiled_decode_one_token(cuda_graphs: bool = False) -> Callable[..., torch.Tensor]:
+def _decode_one_token_as_plain_math(model: GPT, token: torch.Tensor, input_pos: torch.Tensor,
+                                    kv_caches: list[KVCache]) -> torch.Tensor:
+    """``decode_one_token`` with a CPU's one-row products and one-query attention as plain math (``OneRowMath``)."""
+    with OneRowMath():
+        return decode_one_token(model, token, input_pos, kv_caches)  # (B, V)
+
+
+def compiled_decode_one_token(cuda_graphs: bool = False,
+                              device: torch.device | str = "cpu") -> Callable[..., torch.Tensor]:
     """``decode_one_token`` through ``torch.compile``, made once per process (per variant) and shared by all models.
 
     The graph is traced on the first call and reused while the model's structure and the
     caches' shapes stay the same; fullgraph=True turns any graph break into an error. The model is
     an argument, so its weights stay inputs of the graph (freezing, asked for here, does not make
-    them constants: seen in inductor's output code with torch 2.13); the products are the same
-    addmm calls as in eager mode, and what compiling saves is the work between them.
+    them constants: seen in inductor's output code with torch 2.13).
+
+    device: where the model is. On a CPU with more than one thread (``torch.get_num_threads()``
+    when the step is asked for), what is traced is ``decode_one_token`` under ``OneRowMath``: a
+    batch-1 step's products and attention become inductor's own loops, spread over the threads,
+    where the BLAS kernel for one row uses one (llmscratch/decode_kernels.py; with one thread
+    BLAS is as fast, and stays). Inductor is also told to compute each norm's output once
+    (``realize_acc_reads_threshold``) rather than again inside every product that reads it. On a
+    GPU the products stay cuBLAS's, and what compiling saves is the work between them.
 
     cuda_graphs: also record the compiled step as a CUDA graph and replay it (inductor's
     "triton.cudagraphs" option, which mode="reduce-overhead" sets). A graph reads and writes fixed
@@ -208,13 +225,17 @@ def compiled_decode_one_token(cuda_graphs: bool = False) -> Callable[..., torch.
     static marks (torch 2.13), and inductor then skips the graphs of a step that writes its
     inputs. A new generation's caches have new addresses: its first step records the graph again.
     """
-    return _compile_decode_one_token(bool(cuda_graphs))
+    plain_math = torch.device(device).type == "cpu" and torch.get_num_threads() > 1
+    return _compile_decode_one_token(bool(cuda_graphs), plain_math and not cuda_graphs)
 
 
 @functools.cache  # keyed by the variant alone: compiled_decode_one_token() and (False) share one function
-def _compile_decode_one_token(cuda_graphs: bool) -> Callable[..., torch.Tensor]:
+def _compile_decode_one_token(cuda_graphs: bool, plain_math: bool) -> Callable[..., torch.Tensor]:
     if cuda_graphs:
         return torch.compile(decode_one_token, fullgraph=True, options={"triton.cudagraphs": True})
+    if plain_math:
+        return torch.compile(_decode_one_token_as_plain_math, fullgraph=True,
+                             options={"freezing": True, "realize_acc_reads_threshold": 1})
     return torch.compile(decode_one_token, fullgraph=True, options={"freezing": True})
 
 

@@ -111,6 +111,11 @@ def test_the_report_lines_read_the_recorded_gpu_run():
     assert "gpt2-small bf16-compiled: 184,948 vs transformers 381,637 tokens/s (0.48x)" in lines["train"]
     assert "compiled-cuda-graphs 1,081 (6.17x, 15% of the floor)" in lines["decode"]
     assert "measured 4.35 GiB, planned 4.88 GiB (0.89)" in lines["torchrun"]
+    # Later checks add a compiled run with the unpadded vocabulary, summarised after the padded ones.
+    train = report["parts"]["train"]
+    train["results"]["train_unpadded.json"] = train["results"]["train.json"]
+    line = gpu.summary_of("train", train)
+    assert line.index("bf16-compiled: 184,948") < line.index("bf16-compiled, unpadded vocabulary: 184,948")
 
 
 def test_a_real_run_without_a_gpu_stops_at_once_with_a_clear_message(tmp_path, monkeypatch):

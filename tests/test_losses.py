@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmscratch import losses
 from llmscratch.losses import head_cross_entropy, linear_cross_entropy
 from llmscratch.model import GPT, GPTConfig
 
@@ -86,6 +87,27 @@ def test_bfloat16_autocast_is_close_to_autocast_reference():
         ours, theirs = (g.double() - x).abs().max(), (e.double() - x).abs().max()
         assert ours <= 2 * theirs + 1e-6, (ours, theirs)
         assert ours <= 0.05 * x.abs().max()
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 64, 100])  # 53 rows padded by 0, 3, 11, 47
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_vocabulary_padded_inside_the_products_gives_the_same_loss_and_gradients(monkeypatch, multiple, autocast):
+    """What CUDA does (losses.PAD_VOCAB_TO), forced on the CPU: zero rows, -inf logits, the gradients of V rows."""
+    monkeypatch.setitem(losses.PAD_VOCAB_TO, "cpu", multiple)
+    hidden, weight, targets = problem(seed=4, ignored=(2, 3))
+    if autocast:  # bf16 products, with the softmax in float32 on the padded (c, V_padded) logits
+        hidden, weight = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = loss_and_grads(lambda h, w, t: linear_cross_entropy(h, w, t, chunk_rows=7), hidden, weight, targets)
+        monkeypatch.setitem(losses.PAD_VOCAB_TO, "cpu", 1)
+        unpadded = loss_and_grads(lambda h, w, t: linear_cross_entropy(h, w, t, chunk_rows=7), hidden, weight, targets)
+    expected = loss_and_grads(reference, hidden, weight, targets)
+    for g, u, e in zip(got, unpadded, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        if autocast:  # the same bf16 products and float32 sums, padded or not
+            torch.testing.assert_close(g, u, rtol=1e-6, atol=1e-7)
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -195,8 +217,6 @@ def test_left_out_of_compiled_graphs_and_dynamo_not_imported_until_then():
     code = "import sys, llmscratch.model, llmscratch.losses; print('torch._dynamo' in sys.modules)"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert imported.stdout.strip() == "False", imported.stderr
-
-    import llmscratch.losses as losses
 
     seen = []
     hidden, weight, targets = problem()
