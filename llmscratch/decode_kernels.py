@@ -23,9 +23,13 @@ from torch.overrides import TorchFunctionMode
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for an x (..., d_in) holding one row: a multiply and a sum over d_in; (..., d_out)."""
-    out = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, d_in) * (d_out, d_in) -> (..., d_out)
-    return out if bias is None else out + bias
+    """F.linear for an x (..., d_in) holding one row: a multiply and a sum over d_in; (..., d_out).
+
+    Summed in float32 at least (in bfloat16, as F.linear does), then rounded once to x's dtype.
+    """
+    wide = torch.promote_types(x.dtype, torch.float32)
+    out = (x.unsqueeze(-2).to(wide) * weight.to(wide)).sum(-1)  # (..., 1, d_in) * (d_out, d_in) -> (..., d_out)
+    return (out if bias is None else out + bias).to(x.dtype)
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

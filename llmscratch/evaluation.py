@@ -84,5 +84,7 @@ def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, ba
                           device=device if device.type == "cuda" else "cpu")
     nats, count, n_bytes = distributed.all_reduce_sum(totals).tolist()
     loss = nats / count
+    bytes_per_token = n_bytes / count
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-            "bits_per_byte": bits_per_byte(loss, n_bytes / count) if n_bytes else float("nan")}
+            "bits_per_byte": bits_per_byte(loss, bytes_per_token) if n_bytes else float("nan"),
+            "bytes_per_token": bytes_per_token}

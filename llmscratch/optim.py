@@ -30,7 +30,11 @@ class TrainingDiverged(RuntimeError):
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warmup from 0 to ``lr``, then the schedule's decay to ``min_lr`` at ``max_steps`` (step is 0-based).
+    """Linear warmup to ``lr``, then the schedule's decay to ``min_lr`` at ``max_steps`` (step is 0-based).
+
+    The warmup follows nanoGPT's convention: step s < warmup_steps gets lr * (s + 1) / warmup_steps, so the
+    first step already trains at lr / warmup_steps (a step at 0 would be wasted) and step warmup_steps - 1
+    reaches lr.
 
     cosine: half a cosine from lr down to min_lr. wsd (warmup-stable-decay): lr held until the last
     ``decay_fraction`` of the steps (never before the warmup ends), then a straight line to min_lr.

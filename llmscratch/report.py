@@ -12,6 +12,7 @@ file on ``load_benchmarks``'s data; ``write_report`` writes the results down.
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,7 @@ VAL_FRACTION = 0.1  # the held-out share of ch04-pretraining/pretrain.py's defau
 TEST_MODE_ITEMS = 8  # per benchmark in a smoke test (evaluate.py --test-mode), and 2 windows of held-out text
 # The rows of the table: metric key, label. "exact_match/<family>" rows go after "exact_match".
 ROWS = [("bits_per_byte", "Moby-Dick bits per byte (held-out tenth; lower is better)"),
+        ("uniform_bits_per_byte", "&nbsp;&nbsp;a uniform guess over the model's vocabulary, for scale"),
         ("spam_accuracy", "spam accuracy"), ("spam_f1", "spam F1"),
         ("exact_match", "instruction exact match, all families"),
         ("well_formed", "well-formed answers"), ("rouge_l", "ROUGE-L F1 of the answers"),
@@ -126,7 +128,11 @@ def language_model_scores(model: nn.Module, tokenizer, benchmarks: Benchmarks, d
             result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size,
                               device, max_tokens=max_tokens)
             usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-            scores["bits_per_byte"] = plain(result["bits_per_byte"], (usable - 1) // context * context)  # n: predicted
+            predicted = (usable - 1) // context * context
+            scores["bits_per_byte"] = plain(result["bits_per_byte"], predicted)
+            # What a model that learned nothing pays: log2(V) bits for every token, whatever it is.
+            uniform = math.log2(model.config.vocab_size) / result["bytes_per_token"]
+            scores["uniform_bits_per_byte"] = plain(uniform, predicted)
     if benchmarks.instructions:
         with benchmark("instruction answers"):
             scores.update(instruction_scores(model, tokenizer, benchmarks.instructions, progress))
@@ -243,7 +249,7 @@ def format_score(key: str, score: dict | None) -> str:
     """A table cell: "-" for no score, bits per byte as a number, shares in percent with their interval."""
     if score is None:
         return "-"
-    if key == "bits_per_byte":
+    if key in ("bits_per_byte", "uniform_bits_per_byte"):
         return f"{score['value']:.3f}"
     if score["interval"] is None:
         return f"{score['value']:.1%}" if key == "spam_f1" else f"{score['value']:.3f}"
@@ -281,6 +287,10 @@ def plot_report(results: dict[str, dict], path: str | os.PathLike) -> None:
         bpb = results[name]["scores"].get("bits_per_byte")
         if bpb is not None:
             bpb_ax.bar([i], [bpb["value"]], color=f"C{i}")
+        uniform = results[name]["scores"].get("uniform_bits_per_byte")
+        if uniform is not None:
+            bpb_ax.hlines(uniform["value"], i - 0.4, i + 0.4, color="grey", linestyle="--", linewidth=1,
+                          label="uniform guess" if i == 0 else None)
     chance = [j for j, key in enumerate(keys) if key in FOUR_CHOICES]
     for j in chance:
         bars_ax.hlines(0.25, j - 0.45, j + 0.45, color="grey", linestyle="--", linewidth=1,
@@ -290,6 +300,8 @@ def plot_report(results: dict[str, dict], path: str | os.PathLike) -> None:
     bars_ax.legend(fontsize=8)
     bpb_ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
     bpb_ax.set(ylabel="bits per byte", title="held-out Moby-Dick\n(lower is better)")
+    if bpb_ax.get_legend_handles_labels()[0]:
+        bpb_ax.legend(fontsize=8)
     for ax in (bars_ax, bpb_ax):
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

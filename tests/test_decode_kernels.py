@@ -29,6 +29,16 @@ def test_one_row_linear_is_f_linear(shape, with_bias):
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_one_row_linear_sums_bfloat16_in_float32_as_f_linear_does():
+    x, weight, bias = (t.bfloat16() for t in (float64(1, 1, 3072), float64(64, 3072, seed=1), float64(64, seed=2)))
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    actual = one_row_linear(x, weight, bias)
+    assert actual.dtype == torch.bfloat16
+    # One rounding to bfloat16 at the end (2^-8 of the value), not one per partial sum of 3,072 terms.
+    torch.testing.assert_close(actual.double(), exact, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(actual, F.linear(x, weight, bias), rtol=2**-7, atol=1e-6)
+
+
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (6, 2), (8, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("batch_size, seq_len", [(1, 1), (1, 9), (3, 17)])
 def test_one_query_attention_is_sdpa_with_a_mask(n_heads, n_kv_heads, batch_size, seq_len):

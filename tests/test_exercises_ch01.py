@@ -103,6 +103,11 @@ def windows_ignoring_stride(ids, max_length, stride):
     return solutions.sliding_windows(ids, max_length, max_length)
 
 
+def windows_as_int32(ids, max_length, stride):
+    """Equal values, yet F.cross_entropy refuses int32 targets."""
+    return tuple(part.int() for part in solutions.sliding_windows(ids, max_length, stride))
+
+
 def dropout_keeping_with_p(tokenizer, text, p, generator):
     return solutions.encode_with_dropout(tokenizer, text, 1 - p, generator)
 
@@ -124,6 +129,27 @@ def dropout_with_the_global_generator(tokenizer, text, p, generator):
 def dropout_once_per_text(tokenizer, text, p, generator):
     skip_all = torch.rand(1, generator=generator).item() < p
     return solutions.encode_with_dropout(tokenizer, text, float(skip_all), generator)
+
+
+def dropout_skipping_rules(tokenizer, text, p, generator):
+    """Drops merge RULES for the whole chunk (one draw per rule) instead of candidate pairs at each step."""
+    id_of_byte = {byte: token_id for token_id, byte in enumerate(tokenizer.byte_order)}
+    ids = []
+    for chunk in regex.findall(tokenizer.pattern, text):
+        parts, skipped = [id_of_byte[byte] for byte in chunk.encode("utf-8")], {}
+        while True:
+            candidates = [(tokenizer.merges[pair], i, pair) for i, pair in enumerate(zip(parts, parts[1:]))
+                          if pair in tokenizer.merges]
+            for *_, pair in candidates:
+                if pair not in skipped:
+                    skipped[pair] = torch.rand(1, generator=generator).item() < p
+            kept = [(new_id, i) for new_id, i, pair in candidates if not skipped[pair]]
+            if not kept:
+                break
+            new_id, i = min(kept)
+            parts[i : i + 2] = [new_id]
+        ids.extend(parts)
+    return ids
 
 
 def special_tokens_without_byte_order(tokenizer, tokens):
@@ -206,11 +232,14 @@ WRONG_ANSWERS = [
     ("sliding_windows", windows_not_shifted, "the targets are the inputs shifted by ONE token"),
     ("sliding_windows", windows_missing_the_last, "the last window is missing"),
     ("sliding_windows", windows_ignoring_stride, "the next window starts `stride` tokens later"),
+    ("sliding_windows", windows_as_int32, "sliding_windows([], max_length=4, stride=4), the inputs",
+     "exactly torch.long (int64)"),
     ("encode_with_dropout", dropout_keeping_with_p, "p is the probability of SKIPPING a merge"),
     ("encode_with_dropout", dropout_byte_values, "the id of byte b is not b"),
     ("encode_with_dropout", dropout_without_splitting, "you merged across the pre-split chunks"),
     ("encode_with_dropout", dropout_with_the_global_generator, "draw every random number from `generator`"),
     ("encode_with_dropout", dropout_once_per_text, "skip merges independently at every step"),
+    ("encode_with_dropout", dropout_skipping_rules, "'aaaa', p=0.5) with 20 seeds", "skip candidate PAIRS"),
     ("add_special_tokens", special_tokens_without_byte_order, "keep the tokenizer's byte_order"),
     ("add_special_tokens", special_tokens_without_pattern, "keep the tokenizer's split pattern"),
     ("add_special_tokens", special_tokens_in_place, "return a NEW tokenizer"),

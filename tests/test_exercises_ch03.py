@@ -8,8 +8,15 @@ from exercise_suite import ExerciseSuite, solutions
 from torch import nn
 
 from llmscratch.exercises import ch03
+from llmscratch.model import GPT
 
 sol = solutions(ch03)
+
+
+def count_by_building_the_model(config):
+    """GPT(...).num_params(): the count the exercise asks to derive from the config."""
+    with torch.device("meta"):
+        return GPT(config).num_params()
 
 
 # --------------------------------------------------------------------------- wrong answers
@@ -120,6 +127,7 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("swiglu", swiglu_with(transposed=False), "x of shape (1, 2, 3)", "apply each as x @ W.T"),
     ("parameter_count", count_with("head twice"), "GPTConfig(vocab_size=10, context_length=4, d_model=4, "
      "n_layers=1, n_heads=1)", "count it once"),
+    ("parameter_count", count_by_building_the_model, "n_layers=1, n_heads=1)", "write it without GPT(...)"),
     ("parameter_count", count_with("kv as heads"), "n_kv_heads=2", "n_kv_heads heads each"),
     ("parameter_count", count_with("no final norm"), "n_layers=1, n_heads=1)", "count the final norm"),
     ("parameter_count", count_with("shift always"), "bias=False, qkv_bias=False", "LayerNorm a shift only"),

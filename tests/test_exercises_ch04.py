@@ -3,7 +3,9 @@
 import math
 
 import torch
+import torch.nn.functional as F
 from exercise_suite import ExerciseSuite, solutions
+from torch.nn.functional import nll_loss as negative_log_likelihood
 
 from llmscratch.exercises import ch04
 from llmscratch.generate import sample_next_token
@@ -31,6 +33,19 @@ def loss_with(*, dim=-1, mean=True, count_skipped=False, per_row=False, naive=Fa
             return nll.sum()
         return nll.sum() / (targets.numel() if count_skipped else counted.sum())
     return next_token_loss
+
+
+def loss_by_cross_entropy(logits, targets):
+    """The very library function the exercise rebuilds."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def loss_by_imported_nll_swallowing_errors(logits, targets):
+    """nll_loss bound under another name, and any error it raises caught: still taken away, still named."""
+    try:
+        return negative_log_likelihood(logits.log_softmax(-1).flatten(0, 1), targets.flatten())
+    except Exception:
+        return sol.next_token_loss(logits, targets)
 
 
 def loss_as_a_number(logits, targets):
@@ -177,6 +192,8 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("next_token_loss", loss_with(count_skipped=True), "(2, 4, 7)", "count neither in the sum nor"),
     ("next_token_loss", loss_with(per_row=True), "(2, 4, 7)", "not per sequence"),
     ("next_token_loss", loss_with(naive=True), "(2, 3, 6) (large", "use torch.log_softmax"),
+    ("next_token_loss", loss_by_cross_entropy, "(1, 1, 2)", "write it without F.cross_entropy"),
+    ("next_token_loss", loss_by_imported_nll_swallowing_errors, "(1, 1, 2)", "write it without F.nll_loss"),
     ("next_token_loss", loss_as_a_number, "(1, 1, 2), targets [[1]]: loss.backward()", "no .item()"),
     ("adamw_step", adamw_with(corrected=False), "step=1,", "bias correction"),
     ("adamw_step", adamw_with(decoupled=False), "step=1,", "Adam with L2"),

@@ -38,13 +38,13 @@ def scores_with(slip):
     return answer
 
 
-def collate_with(mask_extra=0, pad_input=None, pad_target=IGNORE_INDEX, eos=True, mask=True):
+def collate_with(mask_extra=0, pad_input=None, pad_target=IGNORE_INDEX, eos=True, mask=True, dtype=torch.long):
     """collate_masked as a first attempt often writes it, each usual slip a switch."""
     def answer(pairs, eos_id):
         rows = [[*prompt, *response] + ([eos_id] if eos else []) for prompt, response in pairs]
         width = max(len(row) for row in rows) - 1
-        inputs = torch.full((len(rows), width), eos_id if pad_input is None else pad_input)
-        targets = torch.full((len(rows), width), pad_target)
+        inputs = torch.full((len(rows), width), eos_id if pad_input is None else pad_input, dtype=dtype)
+        targets = torch.full((len(rows), width), pad_target, dtype=dtype)
         for i, ((prompt, _), row) in enumerate(zip(pairs, rows)):
             inputs[i, : len(row) - 1], targets[i, : len(row) - 1] = torch.tensor(row[:-1]), torch.tensor(row[1:])
             targets[i, : (len(prompt) - 1 + mask_extra) if mask else 0] = IGNORE_INDEX
@@ -159,6 +159,7 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("collate_masked", collate_with(pad_target=63), "the targets", "pad the targets with -100"),
     ("collate_masked", collate_with(pad_input=0), "the inputs", "pad the inputs with eos_id"),
     ("collate_masked", collate_with(eos=False), "([([40], [62])]", "end every row with eos_id"),
+    ("collate_masked", collate_with(dtype=torch.int32), "([([40], [62])]", "exactly torch.long (int64)"),
     ("merged_linear", merge_with(scale=lambda layer: 1.0), "nn.Linear(3, 2, bias=True), rank=1", "scale the update"),
     ("merged_linear", merge_with(scale=lambda layer: layer.rank / layer.alpha), "rank=1, alpha=2",
      "not rank / alpha"),

@@ -1,6 +1,7 @@
 """Chapter 6's exercise checks: the worked answers pass, plausible wrong answers fail with the right hint."""
 
 import math
+from difflib import SequenceMatcher
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,31 @@ def rouge_with(words=rouge_tokens, harmonic=True, in_order=True, contiguous=Fals
     return answer
 
 
+def rouge_by_difflib(prediction, reference):
+    """SequenceMatcher's matching blocks taken for the LCS: right on most texts, short where a long run cuts one off."""
+    predicted, wanted = rouge_tokens(prediction), rouge_tokens(reference)
+    common = sum(block.size for block in SequenceMatcher(None, predicted, wanted).get_matching_blocks())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(wanted)
+    return 2 * precision * recall / (precision + recall)
+
+
+def table_of_the_fixed_cases(name):
+    """An answer that knows the worked answer's result on each case the check draws whatever its seed, and no other."""
+    seen = {0: [], 1: []}
+    for seed, calls in seen.items():
+        def recorder(*args, calls=calls):
+            calls.append(repr(args))
+            return getattr(sol, name)(*args)
+        ch06.CHAPTER.check(recorder, name, quiet=True, seed=seed)
+    table = {key: None for key in set(seen[0]) & set(seen[1])}
+
+    def answer(*args):
+        return getattr(sol, name)(*args) if repr(args) in table else None
+    return answer
+
+
 def rouge_unguarded(prediction, reference):
     predicted, wanted = rouge_tokens(prediction), rouge_tokens(reference)
     common = round(rouge_l(prediction, reference)["recall"] * len(wanted)) if predicted and wanted else 0
@@ -179,6 +205,10 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("rouge_l_f1", rouge_with(words=str.split), "rouge_l_f1('The Whale!', 'the whale')", "split into words"),
     ("rouge_l_f1", rouge_with(in_order=False), "rouge_l_f1('b a', 'a b')", "in any order"),
     ("rouge_l_f1", rouge_with(contiguous=True), "rouge_l_f1('a b c d', 'a c b d')", "consecutive words"),
+    ("rouge_l_f1", table_of_the_fixed_cases("rouge_l_f1"), "drawn again by check(your_answer, seed="),
+    ("wilson_bounds", table_of_the_fixed_cases("wilson_bounds"), "drawn again by check(your_answer, seed="),
+    ("rouge_l_f1", rouge_by_difflib, "rouge_l_f1('the white whale swam away at sea', 'swam away, the great",
+     "difflib.SequenceMatcher's matching blocks are not the longest common subsequence"),
     ("rouge_l_f1", rouge_with(harmonic=False), "rouge_l_f1('the whale swam under the ship'", "harmonic mean"),
     ("ipo_loss", ipo_with(beta_inside=True), "on target", "without beta in front"),
     ("ipo_loss", ipo_with(target=lambda beta: 1 / beta), "policy = reference", "not 1 / beta"),

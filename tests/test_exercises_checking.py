@@ -5,9 +5,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.functional import softmax as imported_softmax  # as an answers file may import it
 
 from llmscratch.exercises import CHAPTERS, chapter
-from llmscratch.exercises.checking import Chapter, attempt, diagnose, expect_close, expect_equal
+from llmscratch.exercises.checking import Chapter, attempt, diagnose, expect_close, expect_equal, fresh_generator
 
 
 def toy_chapter() -> Chapter:
@@ -78,6 +80,72 @@ def test_the_check_leaves_the_readers_random_stream_alone():
     torch.manual_seed(0)
     toy_chapter().check(lambda x: 2 * x, "double", quiet=True)  # the checker draws random cases
     assert torch.equal(torch.rand(3), expected)
+
+
+def softmax_chapter() -> Chapter:
+    """One exercise to write without F.softmax, whose checker uses F.softmax itself; a fixed case and fresh ones."""
+    toy = Chapter("toy", "a chapter for testing forbidden functions and fresh cases")
+
+    @toy.exercise("softmax", title="Softmax", difficulty="warm-up", section="1", kind="write it yourself",
+                  forbidden=("torch.nn.functional.softmax",))
+    def check_softmax(answer):
+        cases = [torch.zeros(1, 2)] + [torch.randn(2, 3, generator=fresh_generator()) for _ in range(2)]
+        for x in cases:
+            case = f"softmax({x.tolist()})"
+            expect_close(attempt(answer, x.clone(), case=case), F.softmax(x, dim=-1), case=case, hint="exp / sum")
+        return len(cases)
+
+    return toy
+
+
+def softmax_by_hand(x):
+    return x.exp() / x.exp().sum(-1, keepdim=True)
+
+
+def test_a_forbidden_function_fails_the_answer_that_calls_it_and_is_back_after_the_check():
+    def softmax_by_library(x):
+        return F.softmax(x, dim=-1)
+
+    def softmax_imported_and_errors_swallowed(x):
+        try:
+            return imported_softmax(x, -1)
+        except Exception:  # the forbidden call is no Exception: it still reaches the check
+            return softmax_by_hand(x)
+
+    original = F.softmax
+    for answer in (softmax_by_library, softmax_imported_and_errors_swallowed, F.softmax):
+        verdict = softmax_chapter().check(answer, "softmax", quiet=True)
+        assert verdict.status == "failed" and "write it without F.softmax" in verdict.detail, str(verdict)
+        assert "input:    softmax([[0.0, 0.0]])" in verdict.detail
+    assert F.softmax is original and imported_softmax is original and torch.nn.functional.softmax is original
+    assert softmax_chapter().check(softmax_by_hand, "softmax", quiet=True).status == "passed"  # the checker's F.softmax
+
+
+def test_integer_results_must_have_the_exact_dtype():
+    for got in (torch.tensor([1, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int16)):
+        with pytest.raises(Exception) as err:
+            expect_equal(got, torch.tensor([1, 2]), case="c", hint="h")
+        assert "exactly torch.long" in err.value.hint
+    expect_equal(torch.tensor([1, 2]), torch.tensor([1, 2]), case="c", hint="h")
+
+
+def test_fresh_cases_change_with_the_seed_a_failure_prints_and_replays_it():
+    fixed = torch.zeros(1, 2)
+
+    def table(x):  # right on the fixed case only
+        return torch.full_like(x, 0.5) if torch.equal(x, fixed) else torch.zeros_like(x)
+
+    verdict = softmax_chapter().check(table, "softmax", quiet=True)
+    assert verdict.status == "failed" and "seed:" in verdict.detail
+    seed = int(verdict.detail.split("seed:")[1].split()[0])
+    assert softmax_chapter().check(table, "softmax", quiet=True, seed=seed).detail == verdict.detail
+    cases = {softmax_chapter().check(table, "softmax", quiet=True, seed=s).detail.splitlines()[0] for s in (1, 2)}
+    assert len(cases) == 2  # another seed, other fresh cases
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    softmax_chapter().check(softmax_by_hand, "softmax", quiet=True)
+    assert torch.equal(torch.rand(3), expected)  # fresh cases leave the reader's random stream alone
 
 
 def test_expect_equal_compares_values_and_tensors():

@@ -270,6 +270,18 @@ def test_answers_to_another_chapter_get_a_hint_naming_it(capfd):
     assert f"\n  python -m llmscratch.exercises ch03 {ch03_answers}\n" in out
 
 
+def test_an_answer_calling_the_function_it_rebuilds_fails_in_the_worker_with_a_hint(tmp_path, capfd):
+    answers = tmp_path / "answers.py"
+    answers.write_text("from llmscratch import attention\n\n\ndef causal_mask(q_len, kv_len):\n"
+                       "    return attention.causal_mask(q_len, kv_len)\n")
+    status, out, _ = check_here(capfd, answers)
+    assert status == 1 and rows(out)["causal_mask"] == "failed", out
+    assert "hint:     write it without causal_mask" in detail(out, "causal_mask"), out
+    answers.write_text("from llmscratch.attention import causal_mask\n")  # the library's own, as the answer
+    status, out, _ = check_here(capfd, answers)
+    assert status == 1 and "hint:     write it without causal_mask" in detail(out, "causal_mask"), out
+
+
 def test_answers_can_import_their_neighbours(tmp_path, capfd):
     (tmp_path / "my_mask_helpers.py").write_text(SOLUTIONS["imports"] + "\n\n" + SOLUTIONS["causal_mask"] + "\n")
     answers = tmp_path / "answers.py"

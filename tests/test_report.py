@@ -1,6 +1,7 @@
 """ch06-alignment/evaluate.py end to end in --test-mode: the bundled base model beside a tiny spam classifier."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +67,9 @@ def test_files_written_and_numbers_in_range(run):
     assert list(report["models"]) == ["base", "spam"]
     base = report["models"]["base"]["scores"]
     assert 0.5 < base["bits_per_byte"]["value"] < 8  # a trained model: far below 8 bits, above the text's entropy
+    assert base["bits_per_byte"]["value"] < base["uniform_bits_per_byte"]["value"]  # it learned something
     for key, score in base.items():
-        if score is not None and key != "bits_per_byte":
+        if score is not None and key not in ("bits_per_byte", "uniform_bits_per_byte"):
             assert 0.0 <= score["value"] <= 1.0, key
             if score["interval"] is not None:
                 low, high = score["interval"]
@@ -102,6 +104,9 @@ def test_numbers_equal_direct_calls_of_the_metrics(run):
     direct = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), 16,
                       torch.device("cpu"), max_tokens=2 * model.config.context_length + 1)
     assert scores["base"]["scores"]["bits_per_byte"]["value"] == pytest.approx(direct["bits_per_byte"], rel=1e-9)
+    # A uniform guess: log2(V) bits a token, over the same bytes per token (here V = 4,096: 12 bits).
+    uniform = math.log2(model.config.vocab_size) * direct["bits_per_byte"] * math.log(2) / direct["loss"]
+    assert scores["base"]["scores"]["uniform_bits_per_byte"]["value"] == pytest.approx(uniform, rel=1e-9)
     cloze = json.loads(MOBY_CLOZE_PATH.read_text(encoding="utf-8"))[: TEST_MODE_ITEMS]
     direct = multiple_choice_accuracy(model, tokenizer, cloze)
     assert scores["base"]["scores"]["cloze_accuracy"]["value"] == pytest.approx(direct["accuracy"], abs=1e-12)

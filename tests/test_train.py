@@ -245,6 +245,7 @@ def test_bits_per_byte_against_a_hand_count(batch_size):
     assert metrics["perplexity"] == pytest.approx(math.exp(nats / 96), rel=1e-6)
     assert metrics["bits_per_byte"] == pytest.approx(nats / math.log(2) / text_bytes, rel=1e-6)
     assert bits_per_byte(metrics["loss"], text_bytes / 96) == pytest.approx(metrics["bits_per_byte"])
+    assert metrics["bytes_per_token"] == pytest.approx(text_bytes / 96, rel=1e-12)
 
 
 def test_evaluating_restores_the_mode_even_after_an_error():

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from llmscratch.exercises.ch01_references import bpe, merge, sinusoids, train_naively, windows
-from llmscratch.exercises.checking import Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
+                                           fresh_generator)
 from llmscratch.exercises.fixtures import build_module
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, GPT2_SPLIT_PATTERN, BPETokenizer
@@ -63,8 +64,8 @@ def check_merge_pair(answer) -> int:
     cases = [([], (1, 2), 256), ([5], (5, 6), 256), ([1, 2], (1, 2), 256), ([1, 2, 3], (1, 2), 256),
              ([3, 1, 2], (1, 2), 256), ([7, 7, 7], (7, 7), 300), ([7, 7, 7, 7, 7], (7, 7), 300),
              ([50255, 50256, 50255, 50256, 50256], (50255, 50256), 50257)]
-    for _ in range(4):
-        ids = torch.randint(4, (30,), generator=generator).tolist()
+    for source in [generator] * 4 + [fresh_generator()] * 3:  # the fresh ones: no table of the fixed cases holds them
+        ids = torch.randint(4, (30,), generator=source).tolist()
         cases.append((ids, (ids[3], ids[4]), 256))
     for ids, pair, new_id in cases:
         case, given = f"merge_pair({ids}, {pair}, {new_id})", list(ids)
@@ -88,7 +89,9 @@ def check_merge_pair(answer) -> int:
 
 
 @CHAPTER.exercise("encode_with_merges", title="Encode with a merge table", difficulty="medium",
-                  section="3. Byte-pair encoding by hand", kind="write it yourself")
+                  section="3. Byte-pair encoding by hand", kind="write it yourself",
+                  forbidden=("llmscratch.tokenizer.BPETokenizer.encode_ordinary",
+                             "llmscratch.tokenizer.BPETokenizer.encode"))
 def check_encode_with_merges(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     tiny = "the cat sat on the mat; the rat sat on the hat"
@@ -118,7 +121,8 @@ def check_encode_with_merges(answer) -> int:
 
 
 @CHAPTER.exercise("train_merges", title="Train BPE merges inside the pre-split chunks", difficulty="hard",
-                  section="4. Pre-splitting, and training on a whole novel", kind="write it yourself")
+                  section="4. Pre-splitting, and training on a whole novel", kind="write it yourself",
+                  forbidden=("llmscratch.tokenizer.BPETokenizer.train",))
 def check_train_merges(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     cases = [("", 3, GPT2_SPLIT_PATTERN), ("ab", 5, GPT2_SPLIT_PATTERN), ("aaaa", 3, GPT2_SPLIT_PATTERN),
@@ -147,12 +151,18 @@ def check_train_merges(answer) -> int:
 
 
 @CHAPTER.exercise("sliding_windows", title="Cut a token stream into (input, target) windows", difficulty="warm-up",
-                  section="7. Sliding windows: from a token stream to training examples", kind="write it yourself")
+                  section="7. Sliding windows: from a token stream to training examples", kind="write it yourself",
+                  forbidden=("llmscratch.data.SlidingWindowDataset",))
 def check_sliding_windows(answer) -> int:
     generator = torch.Generator().manual_seed(7)
     cases = [([], 4, 4), ([1, 2, 3, 4], 4, 4), ([1, 2, 3, 4, 5], 4, 4), (list(range(6)), 1, 1),
              (list(range(11)), 4, 3), (list(range(10)), 3, 5), ([50256, 0, 50255, 50256, 1], 2, 2)]
     cases += [(torch.randint(50257, (n,), generator=generator).tolist(), 8, 5) for n in (29, 34)]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for _ in range(3):
+        n, max_length, stride = (int(torch.randint(low, high, (1,), generator=fresh)) for low, high in
+                                 [(2, 40), (1, 9), (1, 9)])
+        cases.append((torch.randint(50257, (n,), generator=fresh).tolist(), max_length, stride))
     for ids, max_length, stride in cases:
         case = f"sliding_windows({_show(ids, 70)}, max_length={max_length}, stride={stride})"
         got = attempt(answer, list(ids), max_length, stride, case=case)
@@ -231,6 +241,21 @@ def _check_dropout_random(answer, tokenizer: BPETokenizer, text: str, word: str)
     return len(results) + 1
 
 
+def _check_dropout_per_pair(answer) -> int:
+    """Each step draws afresh for each candidate pair: in 'aaaa' one (a, a) may merge while another does not."""
+    tokenizer = BPETokenizer([(97, 97)], name="toy")
+    segmentations = {tuple(attempt(answer, tokenizer, "aaaa", 0.5, torch.Generator().manual_seed(seed),
+                                   case=f"encode_with_dropout(toy tokenizer, 'aaaa', p=0.5, generator seeded {seed})"))
+                     for seed in range(20)}
+    if not any(256 in ids and 97 in ids for ids in segmentations):
+        raise Mismatch("encode_with_dropout(toy tokenizer whose one merge is (a, a) -> 256, 'aaaa', p=0.5) with 20 "
+                       "seeds", "some segmentation that merges one 'aa' and not another, e.g. (256, 97, 97)",
+                       f"only {sorted(segmentations)}", "skip candidate PAIRS at each merge step, not merge rules "
+                       "for the whole word: draw afresh for every pair that could merge now, so that one (a, a) merges "
+                       "while another is skipped, and a pair skipped at one step may merge at the next")
+    return 1
+
+
 @CHAPTER.exercise("encode_with_dropout", title="BPE-dropout: encode with randomly skipped merges", difficulty="hard",
                   section="5. GPT-2's tokenizer, rebuilt", kind="extend the package")
 def check_encode_with_dropout(answer) -> int:
@@ -238,6 +263,7 @@ def check_encode_with_dropout(answer) -> int:
     small.name = "small"
     passed = _check_dropout_edges(answer, small, ["", "a", "the whale", "The whale sang.\n\n\nIn 🐳 1851"])
     passed += _check_dropout_random(answer, small, TRAINING_TEXT[:120], " whale")
+    passed += _check_dropout_per_pair(answer)
     gpt2 = BPETokenizer.gpt2()
     passed += _check_dropout_edges(answer, gpt2, ["Hello", "word...\n\nNext  page, 1851: 鲸 🐳"])
     return passed + _check_dropout_random(answer, gpt2, "Tokenization: 🐳 from text to token ids", " harpooneer")

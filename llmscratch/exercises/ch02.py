@@ -38,7 +38,8 @@ MODULE_HINT = ("subclass torch.nn.Module (and call super().__init__() first), so
 
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("causal_mask", title="The causal mask of a chunk appended to a KV cache", difficulty="warm-up",
-                  section="8. Decoding with a KV cache", kind="write it yourself")
+                  section="8. Decoding with a KV cache", kind="write it yourself",
+                  forbidden=("llmscratch.attention.causal_mask",))
 def check_causal_mask(answer) -> int:
     cases = [(1, 3), (2, 2), (3, 5), (4, 4), (4, 9)]  # (q_len, kv_len): one new token, a whole sequence, chunks
     for q_len, kv_len in cases:

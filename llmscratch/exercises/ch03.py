@@ -67,7 +67,8 @@ def _swiglu_variant(x, gate, up, down, *, act=F.silu, on_up=False, transpose=Tru
 
 
 @CHAPTER.exercise("swiglu", title="SwiGLU from its three weight matrices", difficulty="warm-up",
-                  section="2. The feed-forward layer: GELU and SwiGLU", kind="write it yourself")
+                  section="2. The feed-forward layer: GELU and SwiGLU", kind="write it yourself",
+                  forbidden=("llmscratch.model.SwiGLU",))
 def check_swiglu(answer) -> int:
     generator = torch.Generator().manual_seed(32)
     cases = [((1, 1, 1), 1), ((1, 2, 3), 3), ((1, 3, 4), 7), ((2, 5, 6), 16), ((3, 6), 5)]  # (shape of x, hidden)
@@ -128,7 +129,8 @@ PARAMETER_CASES = [  # the fields of GPTConfig (or a preset's name), small and G
 
 
 @CHAPTER.exercise("parameter_count", title="The parameter count of any GPTConfig", difficulty="medium",
-                  section="6. Counting parameters and memory", kind="write it yourself")
+                  section="6. Counting parameters and memory", kind="write it yourself",
+                  forbidden=("llmscratch.model.GPT.num_params", "llmscratch.model.GPT"))
 def check_parameter_count(answer) -> int:
     for fields in PARAMETER_CASES:
         if isinstance(fields, str):
@@ -174,7 +176,8 @@ def _greedy(model: GPT, idx: torch.Tensor, n: int, shift: int) -> torch.Tensor:
 
 
 @CHAPTER.exercise("generate_greedy", title="Greedy decoding with the KV cache", difficulty="hard",
-                  section="7. Generating text", kind="write it yourself")
+                  section="7. Generating text", kind="write it yourself",
+                  forbidden=("llmscratch.generate.generate",))
 def check_generate_greedy(answer) -> int:
     generator = torch.Generator().manual_seed(37)
     cases = [(False, 1, 1, 1), (False, 1, 1, 3), (True, 1, 2, 5), (False, 2, 3, 4), (True, 3, 4, 6),

@@ -37,7 +37,8 @@ def _ids(shape: tuple, generator: torch.Generator) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("next_token_loss", title="The next-token loss, with skipped targets", difficulty="warm-up",
-                  section="1. The next-token loss", kind="write it yourself")
+                  section="1. The next-token loss", kind="write it yourself",
+                  forbidden=("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss"))
 def check_next_token_loss(answer) -> int:
     generator = torch.Generator().manual_seed(1)
     cases = [(1, 1, 2, 1.0), (1, 3, 5, 1.0), (2, 4, 7, 2.0), (3, 5, 11, 1.0), (2, 3, 6, 1000.0)]  # (B, T, V, scale)
@@ -76,7 +77,8 @@ def check_next_token_loss(answer) -> int:
 
 
 @CHAPTER.exercise("adamw_step", title="One AdamW update", difficulty="medium",
-                  section="2. A training loop by hand", kind="write it yourself")
+                  section="2. A training loop by hand", kind="write it yourself",
+                  forbidden=("torch.optim.AdamW", "torch.optim.Adam"))
 def check_adamw_step(answer) -> int:
     generator = torch.Generator().manual_seed(2)
     cases = [((1,), 1, 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0), ((3,), 2, 0.05, (0.9, 0.95), 1e-8, 0.1, 1.0),
@@ -123,7 +125,8 @@ def check_adamw_step(answer) -> int:
 
 
 @CHAPTER.exercise("top_p_filter", title="Top-p (nucleus) filtering", difficulty="medium",
-                  section="5. Sampling: temperature, top-k, top-p", kind="write it yourself")
+                  section="5. Sampling: temperature, top-k, top-p", kind="write it yourself",
+                  forbidden=("llmscratch.generate.top_p_filter",))
 def check_top_p_filter(answer) -> int:
     generator = torch.Generator().manual_seed(5)
     ties = torch.zeros(2)  # two equally likely tokens: p = 0.5 is reached by the first one exactly

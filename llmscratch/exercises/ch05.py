@@ -71,7 +71,8 @@ def _scores(got, case: str) -> dict[str, float]:
 
 
 @CHAPTER.exercise("classification_scores", title="Accuracy, precision, recall and F1 of the spam class",
-                  difficulty="warm-up", section="1.5 Before training", kind="write it yourself")
+                  difficulty="warm-up", section="1.5 Before training", kind="write it yourself",
+                  forbidden=("llmscratch.classify.classification_metrics",))
 def check_classification_scores(answer) -> int:
     generator = torch.Generator().manual_seed(2)
     cases = [([1], [1]), ([0], [0]), ([1, 1, 0], [1, 0, 0]), ([0, 0, 0, 1], [1, 1, 0, 1]), ([1, 0], [0, 1])]
@@ -98,7 +99,8 @@ def check_classification_scores(answer) -> int:
 
 
 @CHAPTER.exercise("collate_masked", title="An instruction batch with the prompt masked", difficulty="medium",
-                  section="2.3 Batches and their masking", kind="write it yourself")
+                  section="2.3 Batches and their masking", kind="write it yourself",
+                  forbidden=("llmscratch.instruct.collate",))
 def check_collate_masked(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     eos_id = VOCAB - 1  # the vocabulary's last id
@@ -151,7 +153,8 @@ def _merged(answer, layer: LoRALinear, case: str) -> nn.Linear:
 
 
 @CHAPTER.exercise("merged_linear", title="Merge a LoRA layer into a plain nn.Linear", difficulty="medium",
-                  section="3. LoRA: finetuning a few low-rank matrices", kind="write it yourself")
+                  section="3. LoRA: finetuning a few low-rank matrices", kind="write it yourself",
+                  forbidden=("llmscratch.lora.LoRALinear.merged", "llmscratch.lora.merge_lora"))
 def check_merged_linear(answer) -> int:
     cases = [(3, 2, True, 1, 2.0), (4, 4, False, 2, 8.0), (5, 3, True, 4, 2.0), (6, 8, True, 8, 16.0)]
     for index, (in_features, out_features, bias, rank, alpha) in enumerate(cases):

@@ -11,10 +11,10 @@ from collections import Counter
 import torch
 
 from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
-from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, normal_interval,
-                                                  response_logprobs64, simpo_loss64, wilson64)
+from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, matching_blocks,
+                                                  normal_interval, response_logprobs64, simpo_loss64, wilson64)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close)
+                                           expect_close, fresh_generator)
 from llmscratch.exercises.fixtures import VOCAB, tiny_gpt
 from llmscratch.preference import PreferenceBatch, collate_pairs, dpo_loss, preference_metrics, sequence_logprobs
 
@@ -50,7 +50,8 @@ SCORES = ("accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_log_
 
 
 @CHAPTER.exercise("preference_scores", title="Reward accuracy, margin and log-ratio per token of a DPO batch",
-                  difficulty="warm-up", section="3.1 Held-out pairs, before and after", kind="write it yourself")
+                  difficulty="warm-up", section="3.1 Held-out pairs, before and after", kind="write it yourself",
+                  forbidden=("llmscratch.preference.preference_metrics",))
 def check_preference_scores(answer) -> int:
     generator = torch.Generator().manual_seed(1)
     cases = [([0.0], [0.0], [1], 0.1), ([0.2], [-0.1], [3], 0.1), ([0.5, 0.5, -0.3], [0.5, 0.1, 0.3], [2, 5, 1], 0.5)]
@@ -92,10 +93,14 @@ def check_preference_scores(answer) -> int:
 
 
 @CHAPTER.exercise("wilson_bounds", title="A Wilson interval for an accuracy", difficulty="warm-up",
-                  section="5.1 Multiple choice by log-likelihood", kind="write it yourself")
+                  section="5.1 Multiple choice by log-likelihood", kind="write it yourself",
+                  forbidden=("llmscratch.metrics.wilson_interval",))
 def check_wilson_bounds(answer) -> int:
     cases = [(0, 1, 1.96), (1, 1, 1.96), (1, 2, 1.96), (0, 10, 1.96), (10, 10, 1.96), (3, 10, 1.96), (50, 72, 1.96),
              (1, 1000, 1.96), (7, 20, 1.0), (13, 40, 2.576)]  # (successes, trials, z)
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for trials in torch.randint(2, 500, (3,), generator=fresh).tolist():
+        cases.append((int(torch.randint(trials + 1, (1,), generator=fresh)), trials, 1.96))
     for successes, trials, z in cases:
         case = f"wilson_bounds({successes}, {trials}, z={z})"
         got = attempt(answer, successes, trials, z, case=case, errors={
@@ -125,7 +130,8 @@ def check_wilson_bounds(answer) -> int:
 
 
 @CHAPTER.exercise("response_logprobs", title="The log-probability of each response, its prompt masked",
-                  difficulty="medium", section="2.2 The log-probability of an answer", kind="write it yourself")
+                  difficulty="medium", section="2.2 The log-probability of an answer", kind="write it yourself",
+                  forbidden=("llmscratch.preference.sequence_logprobs",))
 def check_response_logprobs(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     cases = [(False, [(1, 1, 1)]), (False, [(3, 1, 2)]), (True, [(2, 3, 1), (4, 1, 2)]),
@@ -261,16 +267,20 @@ ROUGE_WORDS = ["the", "whale", "ship", "ahab", "sea", "white"]
 
 
 @CHAPTER.exercise("rouge_l_f1", title="ROUGE-L F1 by the longest common subsequence", difficulty="medium",
-                  section="5.3 Free answers: ROUGE-L and BLEU", kind="write it yourself")
+                  section="5.3 Free answers: ROUGE-L and BLEU", kind="write it yourself",
+                  forbidden=("llmscratch.metrics.rouge_l",))
 def check_rouge_l_f1(answer) -> int:
     generator = torch.Generator().manual_seed(5)
     cases = [("", "the whale"), ("whale", "whale"), ("The Whale!", "the whale"), ("b a", "a b"),
              ("a b c d", "a c b d"), ("the the the", "the cat sat"),
              ("the whale swam under the ship", "the white whale swam beneath the ship"),
-             ("Ahab, 42 years at sea.", "42 years of Ahab at sea")]
-    for _ in range(6):
-        cases.append(tuple(" ".join(ROUGE_WORDS[i] for i in torch.randint(len(ROUGE_WORDS), (n,), generator=generator))
-                           for n in torch.randint(1, 11, (2,), generator=generator).tolist()))
+             ("Ahab, 42 years at sea.", "42 years of Ahab at sea"),
+             # the longest run ("swam away") cuts off "the white whale", which the LCS keeps: difflib's blocks miss it
+             ("the white whale swam away at sea", "swam away, the great white old whale, at sea")]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for source in [generator] * 6 + [fresh] * 4:
+        cases.append(tuple(" ".join(ROUGE_WORDS[i] for i in torch.randint(len(ROUGE_WORDS), (n,), generator=source))
+                           for n in torch.randint(1, 11, (2,), generator=source).tolist()))
     for prediction, reference in cases:
         case = f"rouge_l_f1({prediction!r}, {reference!r})"
         got = _number(attempt(answer, prediction, reference, case=case, errors={
@@ -284,6 +294,10 @@ def check_rouge_l_f1(answer) -> int:
             "that is the longest common run of consecutive words: a subsequence may skip words, "
             "(\"a b c d\", \"a c b d\") share \"a b d\"": lambda: torch.tensor(
                 _f1_of(longest_common_substring(predicted, wanted), predicted, wanted), dtype=torch.float64),
+            "difflib.SequenceMatcher's matching blocks are not the longest common subsequence: it takes the "
+            "longest run first and never matches across it; compute the LCS by dynamic programming":
+                lambda: torch.tensor(_f1_of(matching_blocks(predicted, wanted), predicted, wanted),
+                                     dtype=torch.float64),
             "that counts words in common in any order (ROUGE-1); ROUGE-L counts them in order, by the longest "
             "common subsequence": lambda: torch.tensor(_f1_of(overlap, predicted, wanted), dtype=torch.float64),
             "split into words as rouge_tokens does: lower case, and every run of characters other than a-z and 0-9 "

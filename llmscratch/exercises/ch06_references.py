@@ -6,14 +6,15 @@ and ``simpo_loss64`` are the references of the two losses the package does not h
 """
 
 import math
+from difflib import SequenceMatcher
 
 import torch
 import torch.nn.functional as F
 
 from llmscratch.losses import IGNORE_INDEX
 
-__all__ = ["dpo64", "ipo_loss64", "longest_common_substring", "normal_interval", "response_logprobs64",
-           "simpo_loss64", "wilson64"]
+__all__ = ["dpo64", "ipo_loss64", "longest_common_substring", "matching_blocks", "normal_interval",
+           "response_logprobs64", "simpo_loss64", "wilson64"]
 
 
 def response_logprobs64(logits: torch.Tensor, targets: torch.Tensor, *, shift: int = 0, masked=True, mean=False,
@@ -80,6 +81,14 @@ def longest_common_substring(a: list, b: list) -> int:
                 k += 1
             best = max(best, k)
     return best
+
+
+def matching_blocks(a: list, b: list) -> int:
+    """The words difflib.SequenceMatcher matches: the longest run first, then either side of it, never across it.
+
+    Often the LCS, but not when the longest run cuts off words that a longer subsequence would use.
+    """
+    return sum(block.size for block in SequenceMatcher(None, a, b).get_matching_blocks())
 
 
 def ipo_loss64(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta: float, *,

@@ -13,8 +13,10 @@ time limit. ``load_answers`` reads a reader's answers file, a ``.py`` file or an
 """
 
 import ast
+import contextvars
 import json
 import math
+import secrets
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -24,15 +26,18 @@ from typing import Any
 
 import torch
 
-from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, TimeLimitExceeded, TorchSwitches, package_as_loaded,
-                                            time_limited, too_slow)
+from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, ForbiddenCall, TimeLimitExceeded, TorchSwitches,
+                                            forbidden, package_as_loaded, resolve, shown, time_limited, too_slow)
 
 __all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_path", "attempt", "describe", "diagnose",
-           "diagnose_nonfinite", "expect_close", "expect_equal", "load_answers"]
+           "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers"]
 
 DIFFICULTIES = ("warm-up", "medium", "hard")
 KINDS = ("write it yourself", "extend the package")
 EXIT_HINT = "return your result: sys.exit ends the whole program, which here reads as a failure"
+# this check's seed, and whether fresh cases were drawn from it
+_FRESH: contextvars.ContextVar[dict] = contextvars.ContextVar("fresh")
+_FORBIDDEN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("forbidden", default=())
 
 
 class Mismatch(Exception):
@@ -61,6 +66,7 @@ class Exercise:
     section: str  # the notebook section it follows
     kind: str  # one of KINDS
     checker: Callable[[Any], int] = field(repr=False)  # raises Mismatch; returns the number of cases passed
+    forbidden: tuple[str, ...] = ()  # dotted paths of what the answer must rebuild, not call ("torch.nn.functional.x")
 
 
 @dataclass(frozen=True)
@@ -82,21 +88,31 @@ class Chapter:
         self.exercises: dict[str, Exercise] = {}
         PACKAGE.add_loaded()  # the chapter's references are loaded by now: remember them as they are
 
-    def exercise(self, name: str, *, title: str, difficulty: str, section: str, kind: str):
-        """Decorator: register ``checker(answer) -> cases passed`` as the check of exercise ``name``."""
+    def exercise(self, name: str, *, title: str, difficulty: str, section: str, kind: str,
+                 forbidden: Iterable[str] = ()):
+        """Decorator: register ``checker(answer) -> cases passed`` as the check of exercise ``name``.
+
+        ``forbidden``: the functions (or classes) the answer is to rebuild, which raise while it runs.
+        """
         if difficulty not in DIFFICULTIES or kind not in KINDS or name in self.exercises:
             raise ValueError(f"exercise {name!r}: difficulty {difficulty!r} must be one of {DIFFICULTIES}, "
                              f"kind {kind!r} one of {KINDS}, and the name new in {self.name}")
+        forbidden = tuple(forbidden)
+        for path in forbidden:
+            resolve(path)  # a misspelt path fails here, when the chapter loads, not in a reader's check
 
         def register(checker: Callable[[Any], int]) -> Callable[[Any], int]:
-            self.exercises[name] = Exercise(name, title, difficulty, section, kind, checker)
+            self.exercises[name] = Exercise(name, title, difficulty, section, kind, checker, forbidden)
             return checker
 
         return register
 
     def check(self, answer: Any, name: str | None = None, *, quiet: bool = False,
-              time_limit: float | None = TIME_LIMIT) -> Verdict:
+              time_limit: float | None = TIME_LIMIT, seed: int | None = None) -> Verdict:
         """Check the reader's ``answer`` (found by its ``__name__`` unless ``name`` is given); print the verdict.
+
+        Beside its fixed cases a check draws fresh ones from ``seed`` (None: a new seed each time,
+        which a failure prints, so that ``check(answer, seed=...)`` replays it).
 
         A check still running after ``time_limit`` seconds fails, where a timer can stop it (see
         ``isolation.time_limited``: a notebook's kernel on Linux or macOS, not Windows).
@@ -104,7 +120,7 @@ class Chapter:
         name = name or getattr(answer, "__name__", None)
         if name not in self.exercises:
             raise KeyError(f"{self.name} has no exercise named {name!r}; its exercises are {list(self.exercises)}")
-        verdict = _judge(self.exercises[name], answer, time_limit)
+        verdict = _judge(self.exercises[name], answer, time_limit, secrets.randbelow(2**31) if seed is None else seed)
         if not quiet:
             print(verdict)
         return verdict
@@ -120,25 +136,45 @@ class Chapter:
         return "\n".join(lines + ([""] + failures if failures else []))
 
 
-def _judge(exercise: Exercise, answer: Any, time_limit: float | None) -> Verdict:
+def _judge(exercise: Exercise, answer: Any, time_limit: float | None, seed: int) -> Verdict:
     if answer is None:
         return Verdict(exercise, "not done yet", "  (no answer of this name found)")
+    forbidding = _FORBIDDEN.set(exercise.forbidden)  # attempt takes them away while the answer runs
+    fresh = {"seed": seed, "drawn": False}
+    seeding = _FRESH.set(fresh)
     try:
         # fork_rng: the reader's notebook keeps its random stream; the limit is inside it, so that
         # the stream is put back even when the time runs out
         with package_as_loaded(), torch.random.fork_rng(devices=[]), time_limited(time_limit):
             passed = exercise.checker(answer)
+    except ForbiddenCall as call:  # a forbidden function the answer kept and called outside attempt
+        return Verdict(exercise, "failed", f"  hint:     {_forbidden_hint(call.name)}")
     except TimeLimitExceeded:
         return Verdict(exercise, "failed", f"  {too_slow(time_limit)}")
     except NotDone:
         return Verdict(exercise, "not done yet", "  (the stub still raises NotImplementedError)")
     except Mismatch as mismatch:
-        return Verdict(exercise, "failed", mismatch.report())
+        replay = (f"\n  seed:     {seed} (its fresh cases are drawn again by check(your_answer, seed={seed}))"
+                  if fresh["drawn"] else "")
+        return Verdict(exercise, "failed", mismatch.report() + replay)
     except SystemExit as exit:  # from the answer's code outside attempt (its module's methods, say)
         return Verdict(exercise, "failed", f"  your code called sys.exit({exit.code!r}); {EXIT_HINT}")
     except Exception as err:  # a bug in a checker must not stop the reader's notebook either
         return Verdict(exercise, "failed", f"  the check itself could not run: {type(err).__name__}: {err}")
+    finally:
+        _FORBIDDEN.reset(forbidding)
+        _FRESH.reset(seeding)
     return Verdict(exercise, "passed", f"({passed} cases)")
+
+
+def fresh_generator() -> torch.Generator:
+    """A private generator for the cases drawn fresh each check (an answer cannot learn them by heart).
+
+    Seeded from the check's seed, which a failure prints; outside a check, seed 0.
+    """
+    fresh = _FRESH.get({"seed": 0, "drawn": False})
+    fresh["drawn"] = True
+    return torch.Generator().manual_seed(fresh["seed"])
 
 
 def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | None = None, **kwargs: Any) -> Any:
@@ -146,11 +182,16 @@ def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | No
 
     errors maps a text to a hint: an exception whose message holds the text gets that hint (the
     usual mistake behind, say, "size of tensor"), any other the general one. Whatever the answer
-    changed in the package or in torch's switches is put back before the checker goes on.
+    changed in the package or in torch's switches is put back before the checker goes on. The
+    functions the exercise asks the reader to rebuild raise while the answer runs (``forbidden``).
     """
     switches = TorchSwitches.now()
     try:
-        result = answer(*args, **kwargs)
+        with forbidden(_FORBIDDEN.get(), answer):
+            result = answer(*args, **kwargs)
+    except ForbiddenCall as call:
+        raise Mismatch(case, "your own computation", f"a call of {shown(call.name)}",
+                       _forbidden_hint(call.name)) from None
     except SystemExit as exit:
         raise Mismatch(case, "a result", f"your code called sys.exit({exit.code!r})", EXIT_HINT) from None
     except Exception as err:
@@ -166,6 +207,10 @@ def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | No
     if problem := _unreadable(result):  # caught here, before a checker's own code trips over it
         raise Mismatch(case, "a tensor of values", describe(result), problem)
     return result
+
+
+def _forbidden_hint(path: str) -> str:
+    return f"write it without {shown(path)}: rebuilding it from simpler operations is the exercise"
 
 
 def expect_equal(got: Any, expected: Any, *, case: str, hint: str) -> None:
@@ -202,6 +247,8 @@ def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol:
     if (got.is_floating_point(), got.is_complex(), got.dtype == torch.bool) != (
             expected.is_floating_point(), expected.is_complex(), expected.dtype == torch.bool):
         raise Mismatch(case, f"dtype {expected.dtype}", f"dtype {got.dtype}", hint)
+    if _is_integer(expected) and got.dtype != expected.dtype:  # int32 ids compare equal, yet cross_entropy refuses them
+        raise Mismatch(case, f"dtype {expected.dtype}", f"dtype {got.dtype}", _integer_dtype_hint(expected.dtype))
     got_d, expected_d = got.detach().cpu().double(), expected.detach().cpu().double()
     bad = ~torch.isclose(got_d, expected_d, atol=atol, rtol=rtol, equal_nan=True)
     if bad.any():
@@ -209,6 +256,18 @@ def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol:
         raise Mismatch(case, describe(expected) + f", at {where}: {expected_d[where].item():.6g}",
                        describe(got) + f", at {where}: {got_d[where].item():.6g} "
                                        f"({int(bad.sum())} of {bad.numel()} elements differ)", hint)
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def _integer_dtype_hint(dtype: torch.dtype) -> str:
+    """The hint of an integer tensor of another integer dtype: the dtype is checked exactly."""
+    if dtype == torch.long:
+        return ("integer tensors must be exactly torch.long (int64): F.cross_entropy refuses int32 targets and "
+                "indexing wants int64; make them with dtype=torch.long")
+    return f"the dtype must be exactly {dtype}: make the tensor with dtype={dtype}"
 
 
 def _unreadable(value: Any) -> str | None:

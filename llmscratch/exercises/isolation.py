@@ -5,10 +5,13 @@ package function (``llmscratch.attention.causal_mask = ...``) or method (``GPT.f
 turn off gradients, change the default dtype, or never return. ``PACKAGE`` remembers the package
 as the exercises loaded it and puts it back; ``TorchSwitches`` does the same for torch's global
 switches; ``time_limited`` stops a check that runs too long. ``checking`` uses all three around
-each check, and the first two again after each call of the answer.
+each check, and the first two again after each call of the answer. ``forbidden`` takes away, while a
+"write it yourself" answer runs, the library functions it is meant to rebuild (``F.cross_entropy``,
+``GPT.num_params``).
 """
 
 import contextlib
+import importlib
 import signal
 import sys
 import threading
@@ -19,8 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKAGE", "TIME_LIMIT", "Namespaces", "TimeLimitExceeded", "TorchSwitches", "package_as_loaded",
-           "time_limited", "too_slow"]
+__all__ = ["PACKAGE", "TIME_LIMIT", "ForbiddenCall", "Namespaces", "TimeLimitExceeded", "TorchSwitches", "forbidden",
+           "package_as_loaded", "resolve", "shown", "time_limited", "too_slow"]
 
 # Seconds for one exercise's check (and for loading an answers file). On a 2-core machine the
 # slowest worked answer takes 0.7 to 1.6 s idle (ch01's encode_with_dropout; most take under 0.3 s),
@@ -137,3 +140,73 @@ def time_limited(seconds: float | None) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
+class ForbiddenCall(BaseException):
+    """An answer called a function its exercise asks it to write: a BaseException, past an ``except Exception``."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def shown(path: str) -> str:
+    """A forbidden function's dotted path as a reader writes it: ``F.cross_entropy``, ``GPT.num_params``."""
+    if path.startswith("torch.nn.functional."):
+        return "F." + path.removeprefix("torch.nn.functional.")
+    if path.startswith("llmscratch."):
+        return path.split(".", 2)[-1]  # llmscratch.model.GPT.num_params: GPT.num_params
+    return path
+
+
+def resolve(path: str) -> tuple[Any, str]:
+    """The owner (module or class) of the attribute a dotted path names, and the attribute's name."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:-1]:
+            owner = getattr(owner, part)
+        return owner, parts[-1]
+    raise ValueError(f"{path!r} names no attribute of an importable module")
+
+
+@contextlib.contextmanager
+def forbidden(paths: tuple[str, ...], answer: Any) -> Iterator[None]:
+    """Inside: each function in ``paths`` raises ForbiddenCall (a class: building one does), as does any name
+
+    the answer's module bound to it (``from torch.nn.functional import cross_entropy``). After: all as before.
+    """
+    undo = []
+    namespace = getattr(getattr(answer, "__func__", answer), "__globals__", None)
+    try:
+        for path in paths:
+            owner, name = resolve(path)
+            original = getattr(owner, name)
+            if answer is original:  # the library's own function given as the answer: no patch reaches that call
+                raise ForbiddenCall(path)
+            if isinstance(original, type):  # a class: take away its construction, wherever it is named
+                owner, name = original, "__init__"
+            undo.append((owner, name, vars(owner).get(name, _ABSENT)))
+            setattr(owner, name, _raiser(path + "(...)" if name == "__init__" else path))
+            for key, value in list(namespace.items()) if namespace is not None else []:
+                if value is original and not isinstance(original, type):
+                    undo.append((namespace, key, value))
+                    namespace[key] = _raiser(path)
+        yield
+    finally:
+        for owner, name, value in reversed(undo):
+            if isinstance(owner, dict):
+                owner[name] = value
+            elif value is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def _raiser(path: str):
+    def forbidden_call(*args, **kwargs):
+        raise ForbiddenCall(path)
+    return forbidden_call
