@@ -8,18 +8,20 @@
 get)`` (or ``(exercise, wrong answer, hint)``). The suite checks that each worked answer (``tests/exercise_answers/<chapter>_solutions.py``)
 passes, that each wrong answer fails with its input and hint, that every exercise has two wrong answers,
 that the stubs (and the exercises notebook's stubs) read "not done yet", that the solutions notebook holds
-the solutions file's answers, and that the command line passes the solutions file and reads an empty file
-as "not done yet".
+the solutions file's answers, that an answer which learned one seed's cases by heart fails another seed's
+(``memorising``), and that the command line passes the solutions file and reads an empty file as "not done yet".
 """
 
 import ast
 import functools
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from torch import nn
 
 from llmscratch.exercises.__main__ import main
@@ -61,6 +63,91 @@ def answers_of(path: Path) -> dict[str, str]:
 
 def code_cells(path: Path) -> list[nbformat.NotebookNode]:
     return [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
+
+
+# --------------------------------------------------------------------------- answers that learned cases by heart
+PLAIN = (bool, int, float, complex, str, bytes, type(None))
+SEEN_SEED, OTHER_SEED = 1, 2  # the seed whose cases a memorising answer learns, and another
+
+
+def argument_key(value, seen: dict[int, object] | None = None) -> str:
+    """A text equal for equal arguments, run after run, and different for different ones.
+
+    Tensors go by their values, models by their weights and settings, functions by their name and what they
+    close over, other objects by their public attributes.
+    """
+    seen = {} if seen is None else seen  # id -> the object, held so that no id is reused by a later one
+    if isinstance(value, PLAIN + (torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().flatten()
+        return f"tensor{tuple(value.shape)}{value.dtype}:{hashlib.sha1(data.view(torch.uint8).numpy()).hexdigest()}"
+    if isinstance(value, torch.Generator):
+        return f"generator:{argument_key(value.get_state())}"
+    if id(value) in seen:  # met before in these arguments: a cycle, or the same object twice
+        return "<again>"
+    seen[id(value)] = value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        if all(isinstance(item, PLAIN) for item in items):
+            return repr(items)
+        return f"{type(value).__name__}[{', '.join(argument_key(item, seen) for item in items)}]"
+    if isinstance(value, dict):
+        if all(isinstance(item, PLAIN) for pair in value.items() for item in pair):
+            return repr(value)
+        return "{" + ", ".join(f"{argument_key(k, seen)}: {argument_key(v, seen)}" for k, v in value.items()) + "}"
+    if isinstance(value, nn.Module):
+        settings = {name: _public(module) for name, module in value.named_modules()}
+        weights = argument_key(value.state_dict(), seen)
+        return f"module {type(value).__qualname__} {argument_key(settings, seen)} {weights}"
+    if callable(value) and hasattr(value, "__code__"):  # a function: its name, what it closes over, its defaults
+        cells = [cell.cell_contents for cell in value.__closure__ or ()]
+        return (f"function {value.__module__}.{value.__qualname__} "
+                f"{argument_key([cells, value.__defaults__, value.__kwdefaults__], seen)}")
+    if hasattr(value, "__self__") and hasattr(value, "__func__"):  # a bound method
+        return f"method {argument_key(value.__func__, seen)} of {argument_key(value.__self__, seen)}"
+    if isinstance(value, type) or not hasattr(value, "__dict__"):
+        return f"{type(value).__qualname__} {value!r}"
+    return f"{type(value).__qualname__} {argument_key(_public(value), seen)}"
+
+
+def _public(value) -> dict:
+    """An object's attributes but those whose names start with "_" (caches, torch's own bookkeeping)."""
+    return {name: item for name, item in vars(value).items() if not name.startswith("_")}
+
+
+def memorising(worked, known: set[str], learn: bool):
+    """The worked answer, wrapped so that it answers only the arguments in ``known`` (``learn``: it adds them).
+
+    For a function, the arguments of each call; for a class, those it is built with and those of each forward
+    call. It answers the arguments it knows by running the worked answer again, not by handing back a stored
+    result: a check backpropagates through some results and reads what others did to the model.
+    """
+    def recall(arguments) -> None:
+        key = argument_key(arguments)
+        if learn:
+            known.add(key)
+        elif key not in known:
+            raise LookupError("these arguments are none of those learned by heart")
+
+    if not isinstance(worked, type):
+        @functools.wraps(worked)
+        def answer(*args, **kwargs):
+            recall(("call", args, kwargs))
+            return worked(*args, **kwargs)
+        return answer
+
+    class Memorising(worked):
+        def __init__(self, *args, **kwargs):
+            recall(("build", args, kwargs))
+            super().__init__(*args, **kwargs)
+
+        def forward(self, *args, **kwargs):
+            recall(("forward", args, kwargs))
+            return super().forward(*args, **kwargs)
+
+    Memorising.__name__ = Memorising.__qualname__ = worked.__name__
+    return Memorising
 
 
 class ExerciseSuite:
@@ -113,6 +200,20 @@ class ExerciseSuite:
     def test_the_stubs_read_not_done_yet(self):
         for name in self.chapter.CHAPTER.exercises:
             assert self.verdict(Stub if name[0].isupper() else stub, name).status == "not done yet", name
+
+    def test_an_answer_that_learned_one_seeds_cases_by_heart_fails_another_seed(self, name):
+        """Every check draws fresh cases: answering only the cases of one seed passes that seed and fails another."""
+        known: set[str] = set()
+        worked = getattr(solutions(self.chapter), name)
+        check = functools.partial(self.chapter.CHAPTER.check, name=name, quiet=True)
+        learning = check(memorising(worked, known, learn=True), seed=SEEN_SEED)
+        assert learning.status == "passed", str(learning)
+        answer = memorising(worked, known, learn=False)
+        assert check(answer, seed=SEEN_SEED).status == "passed", "the learned cases must come back exactly"
+        other = check(answer, seed=OTHER_SEED)
+        assert other.status == "failed" and "none of those learned by heart" in other.detail, str(other)
+        assert f"seed:     {OTHER_SEED} (its fresh cases are drawn again by check(your_answer, seed={OTHER_SEED})" \
+            in other.detail, str(other)
 
     def test_the_exercises_notebook_stubs_read_not_done_yet(self):
         namespace: dict = {}

@@ -64,7 +64,7 @@ def gather_minus_100(model, inputs, targets):
 
 def dpo_with(**slip):
     def answer(pc, pr, rc, rr, beta, label_smoothing=0.0):
-        loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta, label_smoothing)
+        loss, chosen, rejected = sol.dpo_loss_and_rewards(pc, pr, rc, rr, beta, label_smoothing)
         wrong = dpo64(pc, pr, rc, rr, beta, label_smoothing, **slip)
         return loss + (wrong[0].float() - loss.detach()), chosen, rejected  # the wrong value, the right gradient
     return answer
@@ -123,21 +123,6 @@ def rouge_by_difflib(prediction, reference):
         return 0.0
     precision, recall = common / len(predicted), common / len(wanted)
     return 2 * precision * recall / (precision + recall)
-
-
-def table_of_the_fixed_cases(name):
-    """An answer that knows the worked answer's result on each case the check draws whatever its seed, and no other."""
-    seen = {0: [], 1: []}
-    for seed, calls in seen.items():
-        def recorder(*args, calls=calls):
-            calls.append(repr(args))
-            return getattr(sol, name)(*args)
-        ch06.CHAPTER.check(recorder, name, quiet=True, seed=seed)
-    table = {key: None for key in set(seen[0]) & set(seen[1])}
-
-    def answer(*args):
-        return getattr(sol, name)(*args) if repr(args) in table else None
-    return answer
 
 
 def rouge_unguarded(prediction, reference):
@@ -205,8 +190,6 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("rouge_l_f1", rouge_with(words=str.split), "rouge_l_f1('The Whale!', 'the whale')", "split into words"),
     ("rouge_l_f1", rouge_with(in_order=False), "rouge_l_f1('b a', 'a b')", "in any order"),
     ("rouge_l_f1", rouge_with(contiguous=True), "rouge_l_f1('a b c d', 'a c b d')", "consecutive words"),
-    ("rouge_l_f1", table_of_the_fixed_cases("rouge_l_f1"), "drawn again by check(your_answer, seed="),
-    ("wilson_bounds", table_of_the_fixed_cases("wilson_bounds"), "drawn again by check(your_answer, seed="),
     ("rouge_l_f1", rouge_by_difflib, "rouge_l_f1('the white whale swam away at sea', 'swam away, the great",
      "difflib.SequenceMatcher's matching blocks are not the longest common subsequence"),
     ("rouge_l_f1", rouge_with(harmonic=False), "rouge_l_f1('the whale swam under the ship'", "harmonic mean"),

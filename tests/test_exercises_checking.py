@@ -6,9 +6,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from exercise_suite import argument_key
 from torch.nn.functional import softmax as imported_softmax  # as an answers file may import it
 
 from llmscratch.exercises import CHAPTERS, chapter
+from llmscratch.exercises.__main__ import main
 from llmscratch.exercises.checking import Chapter, attempt, diagnose, expect_close, expect_equal, fresh_generator
 
 
@@ -193,3 +195,62 @@ def test_the_command_line_names_a_missing_or_broken_file(tmp_path):
     broken = subprocess.run([sys.executable, "-m", "llmscratch.exercises", "ch01", str(tmp_path / "broken.py")],
                             capture_output=True, text=True, timeout=300)
     assert broken.returncode == 2 and "broken.py does not run: SyntaxError" in broken.stderr
+
+
+def test_the_same_seed_draws_the_same_fresh_cases_and_another_seed_others():
+    def drawn(seed: int) -> list[str]:
+        calls = []
+
+        def split_heads(x, n_heads):
+            calls.append(argument_key((x, n_heads)))
+            return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)
+
+        assert chapter("ch02").check(split_heads, quiet=True, seed=seed).status == "passed"
+        return calls
+
+    assert drawn(5) == drawn(5)
+    fixed = set(drawn(5)) & set(drawn(6))
+    assert fixed and len(drawn(5)) > len(fixed), "fresh cases beside the fixed ones, and only they change"
+
+
+def split_heads_learned_by_heart() -> str:
+    """An answers file whose split_heads knows only the fixed cases' inputs (those drawn whatever the seed)."""
+    seen = {}
+    for seed in (1, 2):
+        def split_heads(x, n_heads, calls=seen.setdefault(seed, set())):
+            calls.add(repr(x.flatten().tolist()))
+            return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)
+        chapter("ch02").check(split_heads, quiet=True, seed=seed)
+    return (f"FIXED = {seen[1] & seen[2]!r}\n\n\n"
+            "def split_heads(x, n_heads):\n"
+            "    if repr(x.flatten().tolist()) not in FIXED:\n"
+            "        raise LookupError('not a case learned by heart')\n"
+            "    return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)\n")
+
+
+@pytest.mark.slow
+def test_the_command_line_replays_a_failure_with_the_seed_it_printed(tmp_path, capsys):
+    answers = tmp_path / "answers.py"
+    answers.write_text(split_heads_learned_by_heart())
+
+    def failure(*seed: str) -> str:
+        assert main(["ch02", str(answers), *seed]) == 1
+        out = capsys.readouterr().out
+        return out[out.index("split_heads: failed"):]
+
+    first = failure()  # a new seed, which the failure prints
+    assert "LookupError: not a case learned by heart" in first
+    seed = int(first.split("seed:")[1].split()[0])
+    assert f"or by --seed {seed} on the command line" in first
+    assert failure("--seed", str(seed)) == first  # the same fresh case fails, with the same seed printed
+    inputs = [next(line for line in failure("--seed", seed).splitlines() if line.startswith("  input:"))
+              for seed in ("1", "2")]
+    assert inputs[0] != inputs[1]  # another seed, another fresh case
+
+
+@pytest.mark.parametrize("seed", ["x", "1.5", "-1", str(2**64)])
+def test_the_command_line_refuses_a_seed_that_is_not_a_whole_number(tmp_path, capsys, seed):
+    (tmp_path / "empty.py").write_text("")
+    with pytest.raises(SystemExit) as exit:
+        main(["ch01", str(tmp_path / "empty.py"), "--seed", seed])
+    assert exit.value.code == 2 and f"argument --seed: {seed}: a seed is a whole number" in capsys.readouterr().err

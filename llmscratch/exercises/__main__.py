@@ -2,9 +2,11 @@
 
 The answers (a Python file, or the chapter's exercises notebook once filled in) run in a worker
 process (``running``), so that an endless loop, a ``sys.exit`` or a crash in them fails the
-exercise it hit instead of the checker. Exit status: 0 when no answer failed, 1 when one did (or the
-file answers another chapter's exercises), 2 when the command is wrong or the answers file does not
-load, 130 on Ctrl-C.
+exercise it hit instead of the checker. Beside its fixed cases each check draws fresh ones from a
+new seed, which a failure prints; ``--seed N`` draws them again from N.
+
+Exit status: 0 when no answer failed, 1 when one did (or the file answers another chapter's
+exercises), 2 when the command is wrong or the answers file does not load, 130 on Ctrl-C.
 """
 
 import argparse
@@ -30,13 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=_seconds, default=TIME_LIMIT, metavar="SECONDS",
                         help="seconds for loading the answers and for each exercise's check; one still running "
                              "after it fails (default: %(default)g; each worked answer takes a few at most)")
+    parser.add_argument("--seed", type=_seed, metavar="N",
+                        help="draw every check's fresh cases from seed N: the seed a failed check printed, to replay "
+                             "its failing case (default: a new seed for each check)")
     args = parser.parse_args(argv)
     try:
         path = answers_path(args.answers)
     except (OSError, ValueError) as err:
         parser.error(str(err))
     try:
-        outcome = check_answers(args.chapter, path, args.time_limit)
+        outcome = check_answers(args.chapter, path, args.time_limit, args.seed)
     except KeyboardInterrupt:  # the worker is gone with it (running._Worker)
         print("\ninterrupted: no verdicts", file=sys.stderr)
         return 130
@@ -59,6 +64,17 @@ def _seconds(text: str) -> float:
     if not 0 < seconds < math.inf:
         raise argparse.ArgumentTypeError(f"{text}: a time limit is a positive, finite number of seconds")
     return seconds
+
+
+def _seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**64:
+        raise argparse.ArgumentTypeError(f"{text}: a seed is a whole number from 0 to 2**64 - 1 (the one a failed "
+                                         "check printed after 'seed:')")
+    return seed
 
 
 def _other_chapter_hint(chapter_name: str, answers: str, defined: list[str]) -> str:

@@ -15,7 +15,7 @@ from torch import nn
 
 from llmscratch.exercises.ch01_references import bpe, merge, sinusoids, train_naively, windows
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
-                                           fresh_generator)
+                                           fresh_generator, random_int)
 from llmscratch.exercises.fixtures import build_module
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import ENDOFTEXT, GPT2_SPLIT_PATTERN, BPETokenizer
@@ -42,6 +42,13 @@ def _show(value: str | list, limit: int = 60) -> str:
 def _random_text(generator: torch.Generator, length: int, alphabet: str = "ab c.\n") -> str:
     picks = torch.randint(len(alphabet), (length,), generator=generator)
     return "".join(alphabet[i] for i in picks.tolist())
+
+
+def _excerpt(generator: torch.Generator, longest: int = 60) -> str:
+    """A random stretch of TRAINING_TEXT, 1 to ``longest`` characters: words the small tokenizer has merges for."""
+    length = random_int(generator, 1, longest)
+    start = random_int(generator, 0, len(TRAINING_TEXT) - length)
+    return TRAINING_TEXT[start:start + length]
 
 
 def _tokenizer(pattern: str = GPT2_SPLIT_PATTERN, n_merges: int = 60) -> BPETokenizer:
@@ -100,6 +107,9 @@ def check_encode_with_merges(answer) -> int:
              ("aaaab", [(97, 98), (97, 97)]), (tiny, tiny_merges),
              ("the café 🐳 of the whale", _train(TRAINING_TEXT, 40, WHOLE_TEXT))]
     cases += [(_random_text(generator, 80), _train(_random_text(generator, 300), 20, WHOLE_TEXT)) for _ in range(3)]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(_random_text(fresh, random_int(fresh, 1, 80)),
+               _train(_random_text(fresh, 300), random_int(fresh, 1, 20), WHOLE_TEXT)) for _ in range(2)]
     for text, merges in cases:
         case = f"encode_with_merges({_show(text)}, merges) with merges = {_show(merges, 80)}"
         got = attempt(answer, text, list(merges), case=case)
@@ -129,6 +139,9 @@ def check_train_merges(answer) -> int:
              ("xy ab", 2, GPT2_SPLIT_PATTERN), ("the cat. the hat.\n\nthe mat", 10, GPT2_SPLIT_PATTERN),
              (TRAINING_TEXT, 30, GPT2_SPLIT_PATTERN), (TRAINING_TEXT, 20, r"\S+|\s+")]
     cases += [(_random_text(generator, 300), 25, GPT2_SPLIT_PATTERN) for _ in range(2)]
+    fresh, patterns = fresh_generator(), (GPT2_SPLIT_PATTERN, r"\S+|\s+", WHOLE_TEXT)
+    cases += [(_random_text(fresh, random_int(fresh, 1, 300)), random_int(fresh, 1, 25),
+               patterns[random_int(fresh, 0, len(patterns) - 1)]) for _ in range(2)]
     for text, n_merges, pattern in cases:
         shown = "GPT2_SPLIT_PATTERN" if pattern == GPT2_SPLIT_PATTERN else repr(pattern)
         case = f"train_merges({_show(text)}, {n_merges}, pattern={shown})"
@@ -259,13 +272,14 @@ def _check_dropout_per_pair(answer) -> int:
 @CHAPTER.exercise("encode_with_dropout", title="BPE-dropout: encode with randomly skipped merges", difficulty="hard",
                   section="5. GPT-2's tokenizer, rebuilt", kind="extend the package")
 def check_encode_with_dropout(answer) -> int:
-    small = _tokenizer()
+    small, fresh = _tokenizer(), fresh_generator()  # each edge check also on a fresh excerpt
     small.name = "small"
-    passed = _check_dropout_edges(answer, small, ["", "a", "the whale", "The whale sang.\n\n\nIn 🐳 1851"])
+    passed = _check_dropout_edges(answer, small, ["", "a", "the whale", "The whale sang.\n\n\nIn 🐳 1851",
+                                                  _excerpt(fresh)])
     passed += _check_dropout_random(answer, small, TRAINING_TEXT[:120], " whale")
     passed += _check_dropout_per_pair(answer)
     gpt2 = BPETokenizer.gpt2()
-    passed += _check_dropout_edges(answer, gpt2, ["Hello", "word...\n\nNext  page, 1851: 鲸 🐳"])
+    passed += _check_dropout_edges(answer, gpt2, ["Hello", "word...\n\nNext  page, 1851: 鲸 🐳", _excerpt(fresh)])
     return passed + _check_dropout_random(answer, gpt2, "Tokenization: 🐳 from text to token ids", " harpooneer")
 
 
@@ -314,9 +328,23 @@ def check_add_special_tokens(answer) -> int:
              (trailing_spaces, ["<|user|>", "<|assistant|>"], parts),
              (BPETokenizer.gpt2(), ["<|im_start|>", "<|im_end|>"],
               ["<|im_start|>", "user\nHello  world", "<|im_end|>"])]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for _ in range(2):
+        tokens = _fresh_special_tokens(fresh, random_int(fresh, 1, 3))
+        parts = [part for token in tokens for part in (_excerpt(fresh, 30), token)]
+        cases.append(((small, trailing_spaces)[random_int(fresh, 0, 1)], tokens, parts))
     for tokenizer, tokens, text_parts in cases:
         _check_added(answer, tokenizer, tokens, text_parts)
     return len(cases)
+
+
+def _fresh_special_tokens(generator: torch.Generator, count: int) -> list[str]:
+    """``count`` different special tokens with random names, such as ``<|fcb|>``; ``<|endoftext|>`` may be one."""
+    tokens: list[str] = []
+    while len(tokens) < count:
+        token = ENDOFTEXT if random_int(generator, 0, 4) == 0 else f"<|{_random_text(generator, 3, 'abcdefgh')}|>"
+        tokens += [token] if token not in tokens else []
+    return tokens
 
 
 def _module(answer, context_length: int, d_model: int, case: str) -> nn.Module:
@@ -327,15 +355,18 @@ def _module(answer, context_length: int, d_model: int, case: str) -> nn.Module:
 @CHAPTER.exercise("SinusoidalPositions", title="Sinusoidal position encodings in GPT", difficulty="medium",
                   section="8. Token and position embeddings", kind="extend the package")
 def check_sinusoidal_positions(answer) -> int:
-    passed = 0
-    for context_length, d_model in [(1, 2), (8, 2), (16, 6), (12, 16)]:
+    passed, fresh = 0, fresh_generator()
+    sizes = [(1, 2, False), (8, 2, False), (16, 6, False), (12, 16, False)]
+    sizes += [(random_int(fresh, 1, 20), 2 * random_int(fresh, 1, 12), True) for _ in range(2)]  # no table holds them
+    for context_length, d_model, drawn in sizes:
         case = f"SinusoidalPositions(context_length={context_length}, d_model={d_model})"
         module = _module(answer, context_length, d_model, case)
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         expect_equal(trainable, 0, case=case + ", its trainable parameters", hint="the encodings are fixed: "
                      "register the table with register_buffer, not as an nn.Parameter or nn.Embedding")
-        for positions in [torch.arange(context_length), torch.tensor([context_length - 1]),
-                          torch.arange(context_length // 2, context_length)]:
+        for positions in ([torch.randint(context_length, (random_int(fresh, 1, 8),), generator=fresh)] if drawn else
+                          [torch.arange(context_length), torch.tensor([context_length - 1]),
+                           torch.arange(context_length // 2, context_length)]):
             call = f"{case}({describe(positions)})"
             got = attempt(module, positions, case=call)
             hint = diagnose(got, {

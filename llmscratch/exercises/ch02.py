@@ -14,7 +14,8 @@ from torch import nn
 
 from llmscratch.attention import MultiHeadAttention, causal_mask, explicit_attention
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, expect_equal)
+                                           expect_close, expect_equal, fresh_generator, random_bool, random_int,
+                                           random_seed)
 from llmscratch.exercises.fixtures import build_module, decoded, lm_backward, tiny_gpt, token_ids
 from llmscratch.model import GPT
 from llmscratch.rope import RotaryEmbedding
@@ -42,6 +43,8 @@ MODULE_HINT = ("subclass torch.nn.Module (and call super().__init__() first), so
                   forbidden=("llmscratch.attention.causal_mask",))
 def check_causal_mask(answer) -> int:
     cases = [(1, 3), (2, 2), (3, 5), (4, 4), (4, 9)]  # (q_len, kv_len): one new token, a whole sequence, chunks
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(q_len, q_len + random_int(fresh, 0, 8)) for q_len in (random_int(fresh, 1, 8) for _ in range(3))]
     for q_len, kv_len in cases:
         case = f"causal_mask(q_len={q_len}, kv_len={kv_len})"
         got = attempt(answer, q_len, kv_len, case=case)
@@ -63,10 +66,15 @@ def check_causal_mask(answer) -> int:
 @CHAPTER.exercise("split_heads", title="Split a projection into heads", difficulty="warm-up",
                   section="4. Multi-head attention", kind="write it yourself")
 def check_split_heads(answer) -> int:
-    generator = torch.Generator().manual_seed(2)
-    cases = [(1, 1, 1, 1), (1, 1, 4, 2), (1, 3, 6, 3), (2, 5, 8, 2), (3, 4, 12, 4)]  # (B, T, d, n_heads)
-    for batch, seq_len, d, n_heads in cases:
-        x = torch.randn(batch, seq_len, d, generator=generator)
+    generator, fresh = torch.Generator().manual_seed(2), fresh_generator()
+    cases = [(1, 1, 1, 1, generator), (1, 1, 4, 2, generator), (1, 3, 6, 3, generator), (2, 5, 8, 2, generator),
+             (3, 4, 12, 4, generator)]  # (B, T, d, n_heads, where x is drawn from)
+    for _ in range(3):  # and cases no table of the fixed ones holds
+        n_heads = random_int(fresh, 1, 4)
+        cases.append((random_int(fresh, 1, 3), random_int(fresh, 1, 6), n_heads * random_int(fresh, 1, 4), n_heads,
+                      fresh))
+    for batch, seq_len, d, n_heads, source in cases:
+        x = torch.randn(batch, seq_len, d, generator=source)
         head_dim = d // n_heads
         case = f"split_heads(x of shape {(batch, seq_len, d)}, n_heads={n_heads})"
         got = attempt(answer, x.clone(), n_heads, case=case)
@@ -94,14 +102,21 @@ def _attention64(q, k, v, *, kv_head=lambda h, group, n_kv: h // group, scale=No
 
 
 @CHAPTER.exercise("grouped_query_attention", title="Grouped-query attention over a cache", difficulty="medium",
-                  section="5. Grouped-query attention", kind="write it yourself")
+                  section="5. Grouped-query attention", kind="write it yourself",
+                  forbidden=("torch.nn.functional.scaled_dot_product_attention",
+                             "llmscratch.attention.explicit_attention", "llmscratch.attention.fused_attention"))
 def check_grouped_query_attention(answer) -> int:
-    generator = torch.Generator().manual_seed(5)
+    generator, fresh = torch.Generator().manual_seed(5), fresh_generator()
     cases = [(1, 1, 1, 1, 1, 2), (1, 1, 1, 1, 3, 2), (1, 2, 2, 3, 3, 4), (2, 4, 1, 3, 3, 8), (1, 4, 2, 5, 5, 4),
              (2, 6, 3, 2, 7, 4)]  # (B, n_heads, n_kv_heads, T, S, head_dim)
-    for batch, n_heads, n_kv, seq_len, kv_len, head_dim in cases:
-        q = torch.randn(batch, n_heads, seq_len, head_dim, generator=generator)
-        k, v = torch.randn(2, batch, n_kv, kv_len, head_dim, generator=generator)
+    cases = [(*sizes, generator) for sizes in cases]  # and where q, k, v are drawn from
+    for _ in range(3):  # and cases no table of the fixed ones holds
+        n_kv, seq_len = random_int(fresh, 1, 3), random_int(fresh, 1, 5)
+        cases.append((random_int(fresh, 1, 2), n_kv * random_int(fresh, 1, 3), n_kv, seq_len,
+                      seq_len + random_int(fresh, 0, 4), random_int(fresh, 1, 8), fresh))
+    for batch, n_heads, n_kv, seq_len, kv_len, head_dim, source in cases:
+        q = torch.randn(batch, n_heads, seq_len, head_dim, generator=source)
+        k, v = torch.randn(2, batch, n_kv, kv_len, head_dim, generator=source)
         case = (f"q of shape {tuple(q.shape)}, k and v of shape {tuple(k.shape)} "
                 f"(group of {n_heads // n_kv}, {kv_len - seq_len} cached positions)")
         got = attempt(answer, q.clone(), k.clone(), v.clone(), case=case)
@@ -137,11 +152,14 @@ def _rope64(x, start_pos, theta, *, neighbours=True, turn=1.0, exponent_step=2):
 @CHAPTER.exercise("rope_interleaved", title="RoPE with interleaved pairs (the RoFormer convention)",
                   difficulty="medium", section="6. Rotary position embeddings (RoPE)", kind="write it yourself")
 def check_rope_interleaved(answer) -> int:
-    generator = torch.Generator().manual_seed(6)
+    generator, fresh = torch.Generator().manual_seed(6), fresh_generator()
     cases = [((1, 1, 1, 2), 0, 1e4), ((1, 1, 2, 2), 0, 1e4), ((1, 1, 3, 4), 0, 1e4), ((2, 2, 5, 8), 3, 1e4),
              ((1, 3, 4, 6), 11, 500.0), ((2, 1, 1, 16), 40, 1e4)]  # (shape of x, start_pos, theta)
-    for shape, start_pos, theta in cases:
-        x = torch.randn(shape, generator=generator)
+    cases = [(*case, generator) for case in cases]  # and where x is drawn from
+    cases += [((random_int(fresh, 1, 2), random_int(fresh, 1, 3), random_int(fresh, 1, 6), 2 * random_int(fresh, 1, 8)),
+               random_int(fresh, 0, 40), float(random_int(fresh, 100, 20_000)), fresh) for _ in range(3)]
+    for shape, start_pos, theta, source in cases:
+        x = torch.randn(shape, generator=source)
         case = f"rope_interleaved(x of shape {shape}, start_pos={start_pos}, theta={theta:g})"
         got = attempt(answer, x.clone(), start_pos=start_pos, theta=theta, case=case)
         hint = diagnose(got, {
@@ -196,12 +214,16 @@ def _walk_maps(model: GPT, idx, *, normed=True, rope=True, positions=True, advan
 @CHAPTER.exercise("attention_maps", title="Every layer's attention weights of a GPT", difficulty="medium",
                   section="9. Attention weights of a real sentence", kind="extend the package")
 def check_attention_maps(answer) -> int:
-    generator = torch.Generator().manual_seed(9)
+    generator, fresh = torch.Generator().manual_seed(9), fresh_generator()
     cases = [(False, 1, 1), (False, 2, 5), (True, 1, 1), (True, 2, 7)]  # (Llama-style?, B, T)
-    for llama, batch, seq_len in cases:
-        model, idx = _tiny_gpt(llama), token_ids((batch, seq_len), generator)
+    cases = [(*case, 2, 0, generator) for case in cases]  # and layers, the weights' seed, where idx is drawn from
+    cases += [(random_bool(fresh), random_int(fresh, 1, 2), random_int(fresh, 1, 8), random_int(fresh, 1, 2),
+               random_seed(fresh), fresh) for _ in range(2)]  # cases no table of the fixed ones holds
+    for llama, batch, seq_len, n_layers, seed, source in cases:
+        model, idx = _tiny_gpt(llama, n_layers, seed), token_ids((batch, seq_len), source)
         fused = [block.attn.fused for block in model.blocks]
-        case = f"a 2-layer {'Llama-style' if llama else 'GPT-2'} model, idx of shape {(batch, seq_len)}"
+        case = (f"a {n_layers}-layer {'Llama-style' if llama else 'GPT-2'} model"
+                f"{'' if seed == 0 else f' (weights seeded {seed})'}, idx of shape {(batch, seq_len)}")
         got = attempt(answer, model, idx, case=case)
         expected = _walk_maps(model, idx)
         hint = diagnose(got, {
@@ -235,6 +257,14 @@ def _attention_case(index: int, d: int, n_heads: int, n_kv: int, batch: int, seq
     label = (f"MultiHeadAttention(d={d}, n_heads={n_heads}, n_kv_heads={n_kv}), x of shape {(batch, seq_len, d)}"
              f"{', with RoPE' if rope else ''}")
     return attention, table, x, label
+
+
+def _fresh_attention_sizes(generator: torch.Generator) -> tuple[int, int, int, int, int, bool]:
+    """Random (d, n_heads, n_kv_heads, B, T, RoPE?) of a small MultiHeadAttention: a case no fixed table holds."""
+    n_kv = random_int(generator, 1, 2)
+    n_heads = n_kv * random_int(generator, 1, 3)
+    return (n_heads * 2 * random_int(generator, 1, 3), n_heads, n_kv, random_int(generator, 1, 2),
+            random_int(generator, 1, 6), random_bool(generator))
 
 
 def _project(attention, x):
@@ -296,13 +326,17 @@ def _set_gains(module, head_dim: int, generator, case: str) -> list[torch.Tensor
 @CHAPTER.exercise("QKNormAttention", title="QK-norm: RMS-normalise each head's queries and keys", difficulty="hard",
                   section="7. The package version", kind="extend the package")
 def check_qk_norm_attention(answer) -> int:
-    generator = torch.Generator().manual_seed(7)
+    generator, fresh = torch.Generator().manual_seed(7), fresh_generator()
     cases = [(8, 2, 2, 1, 1, False), (16, 4, 4, 2, 5, True), (16, 4, 1, 1, 6, True), (24, 6, 2, 2, 3, False)]
-    for index, (d, n_heads, n_kv, batch, seq_len, rope) in enumerate(cases):
-        attention, table, x, case = _attention_case(index, d, n_heads, n_kv, batch, seq_len, rope, qkv_bias=index == 3)
+    # each case's weights' seed first, then the sizes, a bias on qkv?, and where the gains are drawn from
+    cases = [(index, *sizes, index == 3, generator) for index, sizes in enumerate(cases)]
+    cases += [(random_seed(fresh), *_fresh_attention_sizes(fresh), random_bool(fresh), fresh)
+              for _ in range(2)]  # cases no table of the fixed ones holds
+    for index, d, n_heads, n_kv, batch, seq_len, rope, qkv_bias, source in cases:
+        attention, table, x, case = _attention_case(index, d, n_heads, n_kv, batch, seq_len, rope, qkv_bias=qkv_bias)
         before = attention(x, table)
         module = _build(answer, attention, case=case)
-        gains = _set_gains(module, d // n_heads, generator, case)
+        gains = _set_gains(module, d // n_heads, source, case)
         expected_count = sum(p.numel() for p in attention.parameters()) + 2 * (d // n_heads)
         expect_equal(sum(p.numel() for p in module.parameters()), expected_count, case=case, hint=(
             "your module's parameters must be the wrapped attention's and the two gains: keep `attention`, "
@@ -350,7 +384,13 @@ def _window64(attention, x, rope, window: int, *, causal=True):
 def check_sliding_window_attention(answer) -> int:
     cases = [(8, 2, 2, 1, 1, 1, False), (8, 2, 2, 1, 4, 1, False), (16, 4, 4, 2, 5, 2, True), (16, 4, 1, 1, 7, 3, True),
              (16, 4, 2, 2, 6, 6, True), (16, 4, 2, 1, 5, 50, False)]  # (d, nh, n_kv, B, T, window, RoPE?)
-    for index, (d, n_heads, n_kv, batch, seq_len, window, rope) in enumerate(cases):
+    cases = list(enumerate(cases))  # each case's index seeds its weights
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for _ in range(2):
+        d, n_heads, n_kv, batch, seq_len, rope = _fresh_attention_sizes(fresh)
+        cases.append((random_seed(fresh),
+                      (d, n_heads, n_kv, batch, seq_len, random_int(fresh, 1, seq_len + 2), rope)))
+    for index, (d, n_heads, n_kv, batch, seq_len, window, rope) in cases:
         attention, table, x, label = _attention_case(index, d, n_heads, n_kv, batch, seq_len, rope)
         case = f"window={window}, {label}"
         before = attention(x, table)

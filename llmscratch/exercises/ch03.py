@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.exercises.checking import Chapter, attempt, diagnose, expect_close, expect_equal
+from llmscratch.exercises.checking import (Chapter, attempt, diagnose, expect_close, expect_equal, fresh_generator,
+                                           random_bool, random_float, random_int, random_seed)
 from llmscratch.exercises.fixtures import build_module, calls_recorded, decoded, token_ids
 from llmscratch.generate import generate
 from llmscratch.model import GPT, GPTConfig, SwiGLU
@@ -36,6 +37,7 @@ def _small_gpt(llama: bool, seed: int, **overrides) -> GPT:
             else:  # a norm's gain around 1, a bias around 0
                 param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
     return model
+
 
 
 def _ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -70,15 +72,19 @@ def _swiglu_variant(x, gate, up, down, *, act=F.silu, on_up=False, transpose=Tru
                   section="2. The feed-forward layer: GELU and SwiGLU", kind="write it yourself",
                   forbidden=("llmscratch.model.SwiGLU",))
 def check_swiglu(answer) -> int:
-    generator = torch.Generator().manual_seed(32)
+    generator, fresh = torch.Generator().manual_seed(32), fresh_generator()
     cases = [((1, 1, 1), 1), ((1, 2, 3), 3), ((1, 3, 4), 7), ((2, 5, 6), 16), ((3, 6), 5)]  # (shape of x, hidden)
-    for shape, hidden in cases:
+    cases = [(*case, generator) for case in cases]  # and where the weights and x are drawn from
+    for _ in range(3):  # and cases no table of the fixed ones holds
+        shape = tuple(random_int(fresh, 1, 4) for _ in range(random_int(fresh, 1, 2))) + (random_int(fresh, 1, 8),)
+        cases.append((shape, random_int(fresh, 1, 16), fresh))
+    for shape, hidden, source in cases:
         d = shape[-1]
         mlp = SwiGLU(d, hidden, bias=False)
         with torch.no_grad():
             for layer in (mlp.gate, mlp.up, mlp.down):
-                layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator))
-            x = torch.randn(shape, generator=generator)
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=source))
+            x = torch.randn(shape, generator=source)
             weights = (mlp.gate.weight, mlp.up.weight, mlp.down.weight)
             case = f"x of shape {shape}, gate and up of shape {(hidden, d)}, down of shape {(d, hidden)}"
             got = attempt(answer, x.clone(), *(w.clone() for w in weights), case=case)
@@ -128,11 +134,27 @@ PARAMETER_CASES = [  # the fields of GPTConfig (or a preset's name), small and G
 ]
 
 
+def _fresh_config_fields(generator: torch.Generator) -> dict:
+    """The fields of a random small GPTConfig, GPT-2 or Llama-style and anything between: a case no table holds."""
+    def coin() -> bool:
+        return random_bool(generator)
+
+    n_kv_heads = random_int(generator, 1, 3)
+    n_heads = n_kv_heads * random_int(generator, 1, 3)
+    return dict(vocab_size=random_int(generator, 2, 100), context_length=random_int(generator, 1, 32),
+                d_model=n_heads * 2 * random_int(generator, 1, 4), n_layers=random_int(generator, 1, 3),
+                n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=random_int(generator, 1, 40) if coin() else None,
+                norm=("layernorm", "rmsnorm")[coin()], mlp=("gelu", "swiglu")[coin()],
+                position=("learned", "rope")[coin()], qkv_bias=coin(), bias=coin(), tie_embeddings=coin())
+
+
 @CHAPTER.exercise("parameter_count", title="The parameter count of any GPTConfig", difficulty="medium",
                   section="6. Counting parameters and memory", kind="write it yourself",
                   forbidden=("llmscratch.model.GPT.num_params", "llmscratch.model.GPT"))
 def check_parameter_count(answer) -> int:
-    for fields in PARAMETER_CASES:
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases = PARAMETER_CASES + [_fresh_config_fields(fresh) for _ in range(3)]
+    for fields in cases:
         if isinstance(fields, str):
             config, case = GPTConfig.from_preset(fields), f"GPTConfig.from_preset({fields!r})"
         else:
@@ -160,7 +182,7 @@ def check_parameter_count(answer) -> int:
         }, "per block: two norms, qkv (d_model x (n_heads + 2 n_kv_heads) head_dim), out_proj, the MLP; around "
            "them: token table, learned positions, final norm, an untied head")
         expect_equal(got, expected, case=case, hint=hint)
-    return len(PARAMETER_CASES)
+    return len(cases)
 
 
 def _greedy(model: GPT, idx: torch.Tensor, n: int, shift: int) -> torch.Tensor:
@@ -182,8 +204,12 @@ def check_generate_greedy(answer) -> int:
     generator = torch.Generator().manual_seed(37)
     cases = [(False, 1, 1, 1), (False, 1, 1, 3), (True, 1, 2, 5), (False, 2, 3, 4), (True, 3, 4, 6),
              (False, 1, 5, 11)]  # (Llama-style?, B, prompt length T, new tokens n); the last fills the context
-    for index, (llama, batch, prompt_len, n) in enumerate(cases):
-        model, idx = _small_gpt(llama, seed=index), _ids(batch, prompt_len, generator)
+    cases = [(index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed first, the ids' source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 3), random_int(fresh, 1, 8),
+               random_int(fresh, 1, 8), fresh) for _ in range(2)]  # at most 16 positions: the context
+    for seed, llama, batch, prompt_len, n, source in cases:
+        model, idx = _small_gpt(llama, seed=seed), _ids(batch, prompt_len, source)
         case = f"a {'Llama-style' if llama else 'GPT-2'} model, idx of shape {(batch, prompt_len)}, max_new_tokens={n}"
         expected = generate(model, idx, n)  # (B, T + n)
         with calls_recorded(model) as calls:  # the (B, T) of each call of the model
@@ -212,8 +238,12 @@ def check_generate_greedy(answer) -> int:
 def check_soft_capped_head(answer) -> int:
     generator = torch.Generator().manual_seed(35)
     cases = [(False, 1, 1, 1.0), (False, 2, 5, 5.0), (True, 1, 3, 2.0), (True, 2, 7, 30.0)]  # (Llama?, B, T, cap)
-    for index, (llama, batch, seq_len, cap) in enumerate(cases):
-        model, idx = _small_gpt(llama, seed=index), _ids(batch, seq_len, generator)
+    cases = [(index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed first, the ids' source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 2), random_int(fresh, 1, 8),
+               random_float(fresh, 0.5, 30.0, 1), fresh) for _ in range(2)]
+    for seed, llama, batch, seq_len, cap, source in cases:
+        model, idx = _small_gpt(llama, seed=seed), _ids(batch, seq_len, source)
         case = f"a {'Llama-style' if llama else 'GPT-2 (tied head)'} model, idx of shape {(batch, seq_len)}, cap={cap}"
         with torch.no_grad():
             plain, count = model(idx), model.num_params()  # (B, T, V)
@@ -232,7 +262,7 @@ def check_soft_capped_head(answer) -> int:
                 lambda: plain.clamp(-cap, cap),
         }, "the logits must be cap * tanh(head(x) / cap)")
         expect_close(got, cap * torch.tanh(plain / cap), case=case, hint=hint)
-        targets = torch.randint(VOCAB, (batch, seq_len), generator=generator)
+        targets = torch.randint(VOCAB, (batch, seq_len), generator=source)
         targets[0, 0] = -100  # a skipped target
         loss = attempt(model, idx, targets=targets, case=f"{case}: model(idx, targets=...)")
         expect_close(loss, F.cross_entropy(got.flatten(0, 1), targets.flatten()), case=f"{case}: the loss",
@@ -255,10 +285,14 @@ def _parallel(block, x, rope, *, sequential=False, mlp_norm=False, residual=True
 def check_parallel_block(answer) -> int:
     generator = torch.Generator().manual_seed(34)
     cases = [(False, 1, 1), (False, 2, 5), (True, 1, 4), (True, 2, 9)]  # (Llama-style?, B, T)
-    for index, (llama, batch, seq_len) in enumerate(cases):
-        model, idx = _small_gpt(llama, seed=10 + index), _ids(batch, seq_len, generator)
+    cases = [(10 + index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed, x's source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 2), random_int(fresh, 1, 9), fresh)
+              for _ in range(2)]
+    for seed, llama, batch, seq_len, source in cases:
+        model, idx = _small_gpt(llama, seed=seed), _ids(batch, seq_len, source)
         case = f"a {'Llama-style' if llama else 'GPT-2'} block, x of shape {(batch, seq_len, 16)}"
-        block, x = model.blocks[0], torch.randn(batch, seq_len, 16, generator=generator)
+        block, x = model.blocks[0], torch.randn(batch, seq_len, 16, generator=source)
         module = _build(answer, block, case=case)
         got = attempt(module, x, model.rope, None, 0, case=case)
         hint = diagnose(got, {
@@ -281,9 +315,13 @@ def check_parallel_block(answer) -> int:
 def check_grow_vocabulary(answer) -> int:
     generator = torch.Generator().manual_seed(36)
     cases = [(False, 48, 1, 1), (False, 49, 2, 5), (True, 50, 1, 3), (True, 64, 2, 6), (True, 48, 1, 2)]
-    for index, (llama, new_size, batch, seq_len) in enumerate(cases):  # (Llama-style, untied?, new vocab, B, T)
-        model = _small_gpt(llama, seed=20 + index)
-        before, idx = copy.deepcopy(model.state_dict()), _ids(batch, seq_len, generator)
+    cases = [(20 + index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed, the ids' source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, VOCAB, 80), random_int(fresh, 1, 2),
+               random_int(fresh, 1, 8), fresh) for _ in range(2)]
+    for seed, llama, new_size, batch, seq_len, source in cases:  # (Llama-style, untied?, new vocab, B, T)
+        model = _small_gpt(llama, seed=seed)
+        before, idx = copy.deepcopy(model.state_dict()), _ids(batch, seq_len, source)
         case = (f"a {'Llama-style (untied head)' if llama else 'GPT-2 (tied head)'} model of vocab_size={VOCAB}, "
                 f"new_vocab_size={new_size}, idx of shape {(batch, seq_len)}")
         grown = attempt(answer, model, new_size, case=case)

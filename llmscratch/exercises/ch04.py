@@ -19,7 +19,8 @@ from llmscratch.config import TrainConfig
 from llmscratch.exercises.ch04_references import (adamw64, change, min_p_generate, smoothed64, token_nll64, top_p,
                                                   torch_adamw, wsd_schedule)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, expect_equal)
+                                           expect_close, expect_equal, fresh_generator, random_bool, random_float,
+                                           random_int, random_seed)
 from llmscratch.exercises.fixtures import calls_recorded, flat_parameters, loss_and_gradient, tiny_gpt, token_ids
 from llmscratch.generate import generate, top_p_filter
 from llmscratch.losses import IGNORE_INDEX
@@ -35,20 +36,26 @@ def _ids(shape: tuple, generator: torch.Generator) -> torch.Tensor:
     return token_ids(shape, generator, end_at=(-1, -1))  # the last id at the end of the last row
 
 
+
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("next_token_loss", title="The next-token loss, with skipped targets", difficulty="warm-up",
                   section="1. The next-token loss", kind="write it yourself",
                   forbidden=("torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss"))
 def check_next_token_loss(answer) -> int:
-    generator = torch.Generator().manual_seed(1)
+    generator, fresh = torch.Generator().manual_seed(1), fresh_generator()
     cases = [(1, 1, 2, 1.0), (1, 3, 5, 1.0), (2, 4, 7, 2.0), (3, 5, 11, 1.0), (2, 3, 6, 1000.0)]  # (B, T, V, scale)
-    for index, (batch, seq_len, vocab, scale) in enumerate(cases):
-        logits = scale * torch.randn(batch, seq_len, vocab, generator=generator)
-        targets = torch.randint(vocab, (batch, seq_len), generator=generator)
-        targets[-1, -1] = vocab - 1  # an id at the vocabulary's end
-        if index >= 2:  # skipped targets, a different number in each row; row 0 keeps only its last one
+    cases = [(*case, generator) for case in cases]  # and where logits and targets are drawn from
+    cases += [(random_int(fresh, 1, 3), random_int(fresh, 1, 5), random_int(fresh, 2, 12),
+               (1.0, 2.0, 1000.0)[random_int(fresh, 0, 2)], fresh) for _ in range(3)]  # no table holds them
+    for index, (batch, seq_len, vocab, scale, source) in enumerate(cases):
+        logits = scale * torch.randn(batch, seq_len, vocab, generator=source)
+        targets = torch.randint(vocab, (batch, seq_len), generator=source)
+        if source is fresh:  # skipped targets anywhere
+            targets[torch.rand(batch, seq_len, generator=fresh) < 0.3] = IGNORE_INDEX
+        elif index >= 2:  # skipped targets, a different number in each row; row 0 keeps only its last one
             targets[0, :-1] = IGNORE_INDEX
             targets[1:, 1] = IGNORE_INDEX
+        targets[-1, -1] = vocab - 1  # an id at the vocabulary's end, so that some target counts
         case = (f"logits of shape {(batch, seq_len, vocab)}{' (large: up to ~3000)' if scale > 1 else ''}, "
                 f"targets {targets.tolist()}")
         leaf = logits.clone().requires_grad_(True)
@@ -80,17 +87,22 @@ def check_next_token_loss(answer) -> int:
                   section="2. A training loop by hand", kind="write it yourself",
                   forbidden=("torch.optim.AdamW", "torch.optim.Adam"))
 def check_adamw_step(answer) -> int:
-    generator = torch.Generator().manual_seed(2)
+    generator, fresh = torch.Generator().manual_seed(2), fresh_generator()
     cases = [((1,), 1, 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0), ((3,), 2, 0.05, (0.9, 0.95), 1e-8, 0.1, 1.0),
              ((2, 3), 10, 3e-3, (0.9, 0.999), 1e-8, 0.0, 1.0), ((4,), 5, 1e-3, (0.9, 0.95), 1e-8, 0.1, 1e-8),
              ((3, 4), 1000, 0.05, (0.8, 0.9), 1e-6, 0.2, 1.0)]  # (shape, step, lr, betas, eps, decay, gradient size)
-    for shape, step, lr, betas, eps, weight_decay, size in cases:
-        param = torch.randn(shape, generator=generator, dtype=torch.float64)
-        grad = size * torch.randn(shape, generator=generator, dtype=torch.float64)
+    cases = [(*case, generator) for case in cases]  # and where the tensors are drawn from
+    cases += [(tuple(random_int(fresh, 1, 4) for _ in range(random_int(fresh, 1, 2))),
+               (1, random_int(fresh, 2, 1000))[random_bool(fresh)], random_float(fresh, 1e-4, 0.1, 4),
+               (random_float(fresh, 0.8, 0.95), random_float(fresh, 0.9, 0.999, 3)), 1e-8,
+               random_float(fresh, 0.0, 0.2), 1.0, fresh) for _ in range(3)]  # cases no table of the fixed ones holds
+    for shape, step, lr, betas, eps, weight_decay, size, source in cases:
+        param = torch.randn(shape, generator=source, dtype=torch.float64)
+        grad = size * torch.randn(shape, generator=source, dtype=torch.float64)
         first = step == 1  # before the first update both running averages are 0
-        m = torch.zeros(shape, dtype=torch.float64) if first else size * torch.randn(shape, generator=generator,
+        m = torch.zeros(shape, dtype=torch.float64) if first else size * torch.randn(shape, generator=source,
                                                                                       dtype=torch.float64)
-        v = m**2 + (0 if first else size**2 * torch.rand(shape, generator=generator, dtype=torch.float64))
+        v = m**2 + (0 if first else size**2 * torch.rand(shape, generator=source, dtype=torch.float64))
         case = (f"param of shape {shape}, step={step}, lr={lr:g}, betas={betas}, eps={eps:g}, "
                 f"weight_decay={weight_decay:g}{', gradients of size 1e-8' if size < 1 else ''}")
         args = (param, grad, m, v, step, lr, betas, eps, weight_decay)
@@ -135,6 +147,10 @@ def check_top_p_filter(answer) -> int:
              (2 * torch.randn(2, 3, 11, generator=generator), 0.6), (already_filtered, 0.9),
              (20 * torch.randn(2, 50, generator=generator), 1.0)]  # p = 1 on peaked rows: tiny tail probabilities
     cases[3][0][..., -1] += 3.0  # the most likely tokens at the vocabulary's end
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_float(fresh, 0.5, 5.0, 1) * torch.randn(random_int(fresh, 1, 3), random_int(fresh, 2, 12),
+                                                              generator=fresh), random_float(fresh, 0.05, 0.99))
+              for _ in range(3)]
     for logits, p in cases:
         case = f"top_p_filter(logits {describe(logits)}, p={p})"
         given = logits.clone()
@@ -165,13 +181,21 @@ def check_top_p_filter(answer) -> int:
 def check_accumulate_gradients(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     cases = [([1], 1, ""), ([2, 2], 4, ""), ([1, 2, 3], 3, ""), ([2, 2], 5, "uneven"), ([2, 1, 2], 3, "empty")]
+    cases = [(*case, generator) for case in cases]  # and where the micro-batches are drawn from
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [([random_int(fresh, 1, 3) for _ in range(random_int(fresh, 1, 3))], random_int(fresh, 1, 5), "random",
+               fresh) for _ in range(2)]
     model = tiny_gpt(llama=False, seed=3)
-    for rows, seq_len, skipped in cases:
-        micro = [(_ids((b, seq_len), generator), _ids((b, seq_len), generator)) for b in rows]  # (b, T) each
+    for rows, seq_len, skipped, source in cases:
+        micro = [(_ids((b, seq_len), source), _ids((b, seq_len), source)) for b in rows]  # (b, T) each
         if skipped == "uneven":  # the same rows, different numbers of counted targets
             micro[0][1][:, 1:] = IGNORE_INDEX
         if skipped == "empty":  # a micro-batch with nothing to predict
             micro[1][1][:] = IGNORE_INDEX
+        if skipped == "random":  # any target but the first
+            for _, targets in micro:
+                targets[torch.rand(targets.shape, generator=fresh) < 0.3] = IGNORE_INDEX
+            micro[0][1][0, 0] = 0
         case = (f"micro-batches of {rows} rows of {seq_len} tokens, "
                 f"{[int((t != IGNORE_INDEX).sum()) for _, t in micro]} counted targets")
         grads = torch.stack([loss_and_gradient(model, x, t)[1] for x, t in micro])  # (k, n_params): each its own
@@ -210,6 +234,11 @@ def check_accumulate_gradients(answer) -> int:
 def check_wsd_learning_rate(answer) -> int:
     cases = [(1, 0, 1.0, 0.1, 0.2), (10, 2, 1.0, 0.1, 0.2), (7, 0, 3e-3, 3e-4, 0.3), (10, 6, 1.0, 0.1, 0.5),
              (12, 3, 2e-3, 2e-4, 0.0), (20, 5, 1e-3, 1e-4, 1.0)]  # (max_steps, warmup, lr, min_lr, decay_fraction)
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for _ in range(3):
+        max_steps, lr = random_int(fresh, 1, 30), random_float(fresh, 1e-4, 1.0, 4)
+        cases.append((max_steps, random_int(fresh, 0, max_steps - 1), lr, random_float(fresh, 0.0, lr, 6),
+                      random_float(fresh, 0.0, 1.0)))
     for max_steps, warmup, lr, min_lr, fraction in cases:
         config = TrainConfig(max_steps=max_steps, warmup_steps=warmup, lr=lr, min_lr=min_lr)
         fields = dataclasses.asdict(config)
@@ -241,11 +270,17 @@ def check_wsd_learning_rate(answer) -> int:
 def check_label_smoothing_loss(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     cases = [(False, 1, 1, 0.1), (True, 2, 5, 0.0), (False, 2, 6, 0.1), (True, 3, 4, 0.3), (False, 1, 7, 1.0)]
-    for index, (llama, batch, seq_len, smoothing) in enumerate(cases):
-        model = tiny_gpt(llama, seed=index, lively=True)
-        inputs, targets = _ids((batch, seq_len), generator), _ids((batch, seq_len), generator)
-        if index >= 2:
-            targets[0, : seq_len // 2] = IGNORE_INDEX  # skipped positions, e.g. padding
+    cases = [(index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed first, the ids' source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 3), random_int(fresh, 1, 8),
+               random_float(fresh, 0.0, 1.0), fresh) for _ in range(2)]
+    for index, (seed, llama, batch, seq_len, smoothing, source) in enumerate(cases):
+        model = tiny_gpt(llama, seed=seed, lively=True)
+        inputs, targets = _ids((batch, seq_len), source), _ids((batch, seq_len), source)
+        if source is fresh:
+            targets[0, : random_int(fresh, 0, seq_len - 1)] = IGNORE_INDEX  # skipped positions, e.g. padding
+        elif index >= 2:
+            targets[0, : seq_len // 2] = IGNORE_INDEX
         case = f"a {'Llama-style' if llama else 'GPT-2'} model, inputs of shape {(batch, seq_len)}, " \
                f"targets {targets.tolist()}, smoothing={smoothing}"
         with torch.no_grad():
@@ -332,8 +367,14 @@ def check_generate_min_p(answer) -> int:
     cases = [(False, (1, 1), 0, 0.1, 1.0), (False, (1, 2), 4, 0.0, 1.0), (True, (3, 2), 8, 0.1, 1.0),
              (False, (1, 1), 3, 1.0, 1.0), (True, (2, 3), 5, 1.0, 1.0), (True, (2, 4), 12, 0.1, 0.7),
              (False, (3, 1), 6, 0.05, 1.5)]  # (Llama-style?, prompt shape, new tokens, min_p, temperature)
-    for index, (llama, shape, n, min_p, temperature) in enumerate(cases):
-        model, idx, seed = tiny_gpt(llama, seed=index, lively=True), _ids(shape, generator), 100 + index
+    # the weights' and the samples' seeds first
+    cases = [(index, 100 + index, *case, generator) for index, case in enumerate(cases)]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_seed(fresh), random_bool(fresh),
+               (random_int(fresh, 1, 3), random_int(fresh, 1, 4)), random_int(fresh, 0, 6),
+               random_float(fresh, 0.01, 0.99), random_float(fresh, 0.5, 1.5), fresh) for _ in range(2)]
+    for model_seed, seed, llama, shape, n, min_p, temperature, source in cases:
+        model, idx = tiny_gpt(llama, seed=model_seed, lively=True), _ids(shape, source)
         case = (f"a {'Llama-style' if llama else 'GPT-2'} model (context 16), idx {idx.tolist()}, "
                 f"max_new_tokens={n}, min_p={min_p}, temperature={temperature}")
         got = _generated(answer, model, idx, n, min_p, temperature, seed, case)

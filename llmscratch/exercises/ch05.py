@@ -15,7 +15,8 @@ from torch import nn
 from llmscratch.classify import GPTClassifier, classification_metrics
 from llmscratch.config import FinetuneConfig, LoRAConfig
 from llmscratch.exercises.ch05_references import choice_logprobs, early_stop, instruction_rows, lora_lookup
-from llmscratch.exercises.checking import Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
+                                           fresh_generator, random_bool, random_float, random_int, random_seed)
 from llmscratch.exercises.fixtures import (VOCAB, build_module, decoded, flat_parameters, lm_backward, tiny_gpt,
                                            token_ids)
 from llmscratch.finetune import fit
@@ -27,14 +28,21 @@ CHAPTER = Chapter("ch05", "Finetuning: a spam classifier, an instruction followe
 CPU = torch.device("cpu")
 
 
+
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("last_token_logits", title="Each row's logits at its last real token", difficulty="warm-up",
                   section="1.3 Why the last real token", kind="write it yourself")
 def check_last_token_logits(answer) -> int:
     generator = torch.Generator().manual_seed(1)
     cases = [(3, 2, [1]), (1, 2, [1]), (4, 2, [4, 2]), (5, 3, [5, 2, 4]), (6, 2, [1, 6, 3, 6])]  # (T, C, lengths)
-    for seq_len, n_classes, row_lengths in cases:
-        logits = torch.randn(len(row_lengths), seq_len, n_classes, generator=generator)  # (B, T, C)
+    cases = [(*case, generator) for case in cases]  # and where the logits are drawn from
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for _ in range(3):
+        seq_len = random_int(fresh, 1, 8)
+        cases.append((seq_len, random_int(fresh, 1, 4),
+                      [random_int(fresh, 1, seq_len) for _ in range(random_int(fresh, 1, 4))], fresh))
+    for seq_len, n_classes, row_lengths, source in cases:
+        logits = torch.randn(len(row_lengths), seq_len, n_classes, generator=source)  # (B, T, C)
         lengths, rows = torch.tensor(row_lengths), torch.arange(len(row_lengths))  # (B,) each
         case = f"logits of shape {tuple(logits.shape)}, lengths {row_lengths}"
         got = attempt(answer, logits.clone(), lengths.clone(), case=case)
@@ -76,9 +84,12 @@ def _scores(got, case: str) -> dict[str, float]:
 def check_classification_scores(answer) -> int:
     generator = torch.Generator().manual_seed(2)
     cases = [([1], [1]), ([0], [0]), ([1, 1, 0], [1, 0, 0]), ([0, 0, 0, 1], [1, 1, 0, 1]), ([1, 0], [0, 1])]
-    for size, spam_rate in ((37, 0.3), (100, 0.6)):
-        predictions = (torch.rand(size, generator=generator) < spam_rate).long().tolist()
-        cases.append((predictions, (torch.rand(size, generator=generator) < 0.5).long().tolist()))
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    draws = [(37, 0.3, generator), (100, 0.6, generator)]
+    draws += [(random_int(fresh, 1, 60), random_float(fresh, 0.0, 1.0), fresh) for _ in range(2)]
+    for size, spam_rate, source in draws:
+        predictions = (torch.rand(size, generator=source) < spam_rate).long().tolist()
+        cases.append((predictions, (torch.rand(size, generator=source) < 0.5).long().tolist()))
     for predictions, labels in cases:
         case = f"predictions {predictions}, labels {labels}"
         got = _scores(attempt(answer, list(predictions), list(labels), case=case, errors={
@@ -105,9 +116,13 @@ def check_collate_masked(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     eos_id = VOCAB - 1  # the vocabulary's last id
     cases = [[(1, 1)], [(2, 1)], [(3, 2), (1, 4)], [(2, 2), (2, 2)], [(4, 1), (2, 3), (5, 5)]]  # (prompt, answer)
-    for lengths in cases:
-        pairs = [(torch.randint(eos_id, (p,), generator=generator).tolist(),
-                  torch.randint(eos_id, (a,), generator=generator).tolist()) for p, a in lengths]
+    cases = [(lengths, generator) for lengths in cases]  # and where the ids are drawn from
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [([(random_int(fresh, 1, 5), random_int(fresh, 1, 5)) for _ in range(random_int(fresh, 1, 3))], fresh)
+              for _ in range(3)]
+    for lengths, source in cases:
+        pairs = [(torch.randint(eos_id, (p,), generator=source).tolist(),
+                  torch.randint(eos_id, (a,), generator=source).tolist()) for p, a in lengths]
         pairs[-1][1][-1] = eos_id - 1
         case = f"collate_masked({pairs}, eos_id={eos_id})"
         rows = functools.partial(instruction_rows, pairs, eos_id)  # the reference, one slip per keyword
@@ -157,8 +172,12 @@ def _merged(answer, layer: LoRALinear, case: str) -> nn.Linear:
                   forbidden=("llmscratch.lora.LoRALinear.merged", "llmscratch.lora.merge_lora"))
 def check_merged_linear(answer) -> int:
     cases = [(3, 2, True, 1, 2.0), (4, 4, False, 2, 8.0), (5, 3, True, 4, 2.0), (6, 8, True, 8, 16.0)]
-    for index, (in_features, out_features, bias, rank, alpha) in enumerate(cases):
-        torch.manual_seed(index)
+    cases = list(enumerate(cases))  # each case's index seeds its weights
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), (random_int(fresh, 1, 8), random_int(fresh, 1, 8), random_bool(fresh),
+                                    random_int(fresh, 1, 8), random_float(fresh, 1.0, 16.0, 1))) for _ in range(2)]
+    for seed, (in_features, out_features, bias, rank, alpha) in cases:
+        torch.manual_seed(seed)
         layer = LoRALinear(nn.Linear(in_features, out_features, bias=bias), rank, alpha)
         with torch.no_grad():
             layer.lora_b.normal_()  # as if trained: B is no longer zero
@@ -205,8 +224,18 @@ def check_score_choices(answer) -> int:
     cases = [(False, [5], [[7]]), (False, [5, 9], [[VOCAB - 1], [7]]), (False, [1, 2, 3, 4], [[10, 11], [12], ids(3)]),
              (False, [2], [ids(15), [VOCAB - 1]]), (True, ids(3), [ids(1), ids(4), ids(2)]),
              (True, ids(6), [ids(10), ids(1)])]  # (Llama-style?, prompt, choices): the 4th fills the context
-    for index, (llama, prompt, choices) in enumerate(cases):
-        model = tiny_gpt(llama, seed=index)
+    cases = list(enumerate(cases))  # each case's index seeds its weights
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+
+    def fresh_ids(n):
+        return torch.randint(VOCAB, (n,), generator=fresh).tolist()
+
+    for _ in range(2):
+        prompt = fresh_ids(random_int(fresh, 1, 6))
+        choices = [fresh_ids(random_int(fresh, 1, 8)) for _ in range(random_int(fresh, 1, 3))]  # within the context
+        cases.append((random_seed(fresh), (random_bool(fresh), prompt, choices)))
+    for seed, (llama, prompt, choices) in cases:
+        model = tiny_gpt(llama, seed=seed)
         case = f"a {'Llama-style' if llama else 'GPT-2'} model, prompt {prompt}, choices {choices}"
         got = attempt(answer, model, list(prompt), copy.deepcopy(choices), case=case)
         hint = diagnose(got, {
@@ -257,18 +286,23 @@ def _lora_embedding(answer, embedding: nn.Embedding, rank: int, alpha: float, ca
 def check_lora_embedding(answer) -> int:
     generator = torch.Generator().manual_seed(6)
     cases = [(5, 3, 1, 2.0, (1, 1)), (10, 4, 2, 8.0, (2, 3)), (VOCAB, 16, 4, 2.0, (3, 5))]  # (V, d, rank, alpha, idx)
-    for vocab, dim, rank, alpha, shape in cases:
-        torch.manual_seed(vocab)
+    cases = [(case[0], *case, generator) for case in cases]  # the weights' seed (V) first, the draws' source last
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_int(fresh, 2, VOCAB), random_int(fresh, 1, 16), random_int(fresh, 1, 8),
+               random_float(fresh, 1.0, 16.0, 1), (random_int(fresh, 1, 3), random_int(fresh, 1, 6)), fresh)
+              for _ in range(2)]
+    for seed, vocab, dim, rank, alpha, shape, source in cases:
+        torch.manual_seed(seed)
         embedding = nn.Embedding(vocab, dim)
-        idx = token_ids(shape, generator, vocab=vocab)
+        idx = token_ids(shape, source, vocab=vocab)
         case = f"LoRAEmbedding(nn.Embedding({vocab}, {dim}), rank={rank}, alpha={alpha:g}), idx {idx.tolist()}"
         module, a, b = _lora_embedding(answer, embedding, rank, alpha, case)
         weight = embedding.weight.detach().clone()
         expect_close(attempt(module, idx, case=case), embedding(idx), case=case + ", freshly made", hint=(
             "the update must start at zero (B = 0, as in LoRALinear), so that the wrapped model starts as the base"))
         with torch.no_grad():
-            a.copy_(torch.randn(a.shape, generator=generator))
-            b.copy_(torch.randn(b.shape, generator=generator))
+            a.copy_(torch.randn(a.shape, generator=source))
+            b.copy_(torch.randn(b.shape, generator=source))
         got = attempt(module, idx, case=case + ", with random A and B")
         hint = diagnose(got, {
             "scale the update by alpha / rank": lambda: lora_lookup(weight, a, b, idx, 1.0),
@@ -334,6 +368,9 @@ def check_fit_early_stopping(answer) -> int:
     data = torch.randint(VOCAB, (4, 9), generator=torch.Generator().manual_seed(8))
     cases = [([1.0, 0.9, 0.95, 0.8], 1), ([1.0, 1.1, 1.2, 0.5], 2), ([1.0, 0.9, 0.9, 0.8], 1),
              ([1.0, 0.8, 0.85, 0.7, 0.75, 0.76, 0.5], 2), ([1.0, 0.9, 0.8], 5)]  # (losses of epochs 0.., patience)
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds: ties are likely at 0.05 steps
+    cases += [([1.0] + [round(0.05 * random_int(fresh, 10, 24), 2) for _ in range(random_int(fresh, 1, 4))],
+               random_int(fresh, 1, 3)) for _ in range(2)]
     for losses, patience in cases:
         config = FinetuneConfig(epochs=len(losses) - 1, batch_size=2, lr=1e-2, warmup_fraction=0.25, seed=0)
         case = f"validation losses {losses} (epoch 0 first), patience={patience}, epochs={config.epochs}"

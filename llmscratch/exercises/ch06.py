@@ -14,7 +14,8 @@ from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens
 from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, matching_blocks,
                                                   normal_interval, response_logprobs64, simpo_loss64, wilson64)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, fresh_generator)
+                                           expect_close, fresh_generator, random_bool, random_float, random_int,
+                                           random_seed)
 from llmscratch.exercises.fixtures import VOCAB, tiny_gpt
 from llmscratch.preference import PreferenceBatch, collate_pairs, dpo_loss, preference_metrics, sequence_logprobs
 
@@ -41,6 +42,13 @@ def _pair_batch(lengths: list[tuple[int, int, int]], generator: torch.Generator)
     return collate_pairs(pairs, EOS)
 
 
+
+def _fresh_lengths(generator: torch.Generator) -> list[tuple[int, int, int]]:
+    """The (prompt, chosen, rejected) lengths of 1 to 3 random pairs: a batch no table of the fixed ones holds."""
+    return [(random_int(generator, 1, 5), random_int(generator, 1, 4), random_int(generator, 1, 4))
+            for _ in range(random_int(generator, 1, 3))]
+
+
 def _flat_grads(model) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
@@ -55,10 +63,13 @@ SCORES = ("accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_log_
 def check_preference_scores(answer) -> int:
     generator = torch.Generator().manual_seed(1)
     cases = [([0.0], [0.0], [1], 0.1), ([0.2], [-0.1], [3], 0.1), ([0.5, 0.5, -0.3], [0.5, 0.1, 0.3], [2, 5, 1], 0.5)]
-    for size, beta in ((8, 0.1), (32, 0.02)):
-        cases.append((torch.randn(size, generator=generator).mul(0.3).tolist(),
-                      torch.randn(size, generator=generator).mul(0.3).tolist(),
-                      torch.randint(1, 12, (size,), generator=generator).tolist(), beta))
+    fresh = fresh_generator()  # the last two: cases no table of the fixed ones holds
+    draws = [(8, 0.1, generator), (32, 0.02, generator)]
+    draws += [(random_int(fresh, 1, 32), random_float(fresh, 0.01, 1.0), fresh) for _ in range(2)]
+    for size, beta, source in draws:
+        cases.append((torch.randn(size, generator=source).mul(0.3).tolist(),
+                      torch.randn(size, generator=source).mul(0.3).tolist(),
+                      torch.randint(1, 12, (size,), generator=source).tolist(), beta))
     for chosen_list, rejected_list, tokens_list, beta in cases:
         chosen, rejected = torch.tensor(chosen_list), torch.tensor(rejected_list)  # (B,) each
         tokens = torch.tensor(tokens_list)  # (B,)
@@ -136,9 +147,12 @@ def check_response_logprobs(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     cases = [(False, [(1, 1, 1)]), (False, [(3, 1, 2)]), (True, [(2, 3, 1), (4, 1, 2)]),
              (True, [(5, 2, 4), (1, 3, 3), (3, 1, 1)])]  # (Llama-style?, (prompt, chosen, rejected) lengths per pair)
-    for index, (llama, lengths) in enumerate(cases):
-        model = tiny_gpt(llama, seed=index, lively=True)
-        batch = _pair_batch(lengths, generator)
+    cases = [(index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed first, the ids' source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), _fresh_lengths(fresh), fresh) for _ in range(2)]
+    for seed, llama, lengths, source in cases:
+        model = tiny_gpt(llama, seed=seed, lively=True)
+        batch = _pair_batch(lengths, source)
         inputs, targets = batch.inputs, batch.targets  # (2B, T) each
         case = (f"a {'Llama-style' if llama else 'GPT-2'} model, collate_pairs of pairs of lengths {lengths}: "
                 f"inputs {inputs.tolist()}, targets {targets.tolist()}")
@@ -159,6 +173,9 @@ def check_response_logprobs(answer) -> int:
         }, "row n is the sum, over the positions t where targets[n, t] != -100, of "
            "log_softmax(model(inputs)[n, t])[targets[n, t]]", atol=1e-4)
         expect_close(got, expected, case=case, hint=hint, atol=1e-4)
+        if source is generator:
+            graph_case = model, inputs, targets, case  # the gradient is checked on the last fixed case
+    model, inputs, targets, case = graph_case
     case += ": the gradient of your result's sum"
     model.zero_grad(set_to_none=True)
     got = attempt(answer, model, inputs.clone(), targets.clone(), case=case)
@@ -182,7 +199,8 @@ def _four_logprobs(size: int, generator: torch.Generator) -> list[torch.Tensor]:
 
 
 @CHAPTER.exercise("dpo_loss_and_rewards", title="The DPO loss and the implicit rewards from four log-probabilities",
-                  difficulty="medium", section="2.3 The loss from four log-probabilities", kind="write it yourself")
+                  difficulty="medium", section="2.3 The loss from four log-probabilities", kind="write it yourself",
+                  forbidden=("llmscratch.preference.dpo_loss", "llmscratch.preference.implicit_rewards"))
 def check_dpo_loss_and_rewards(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     same = torch.tensor([-5.0])
@@ -191,6 +209,9 @@ def check_dpo_loss_and_rewards(answer) -> int:
     cases = [([same] * 4, 0.1, 0.0, "policy = reference, one pair"), (_four_logprobs(1, generator), 0.1, 0.0, ""),
              (_four_logprobs(3, generator), 0.5, 0.0, ""), (_four_logprobs(4, generator), 0.1, 0.1, ""),
              (_four_logprobs(8, generator), 1.0, 0.3, ""), (extreme, 1.0, 0.0, "margins of +-4981")]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(_four_logprobs(random_int(fresh, 1, 8), fresh), random_float(fresh, 0.05, 1.0),
+               random_float(fresh, 0.0, 0.4), "") for _ in range(2)]
     for logprobs, beta, smoothing, note in cases:
         names = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
         case = (", ".join(f"{name} {describe(t)}" for name, t in zip(names, logprobs))
@@ -321,6 +342,8 @@ def check_ipo_loss(answer) -> int:
     cases = [([same] * 4, 0.1, "policy = reference, one pair"), (on_target, 0.1, "h = 1 / (2 beta) = 5: on target"),
              (_four_logprobs(3, generator), 0.5, ""), (_four_logprobs(4, generator), 0.1, ""),
              (_four_logprobs(8, generator), 0.01, "")]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(_four_logprobs(random_int(fresh, 1, 8), fresh), random_float(fresh, 0.01, 0.5), "") for _ in range(2)]
     for logprobs, beta, note in cases:
         names = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
         case = (", ".join(f"{name} {describe(t)}" for name, t in zip(names, logprobs)) + f", beta={beta}"
@@ -388,13 +411,20 @@ def check_simpo_step_loss(answer) -> int:
     generator = torch.Generator().manual_seed(7)
     cases = [(False, [(1, 1, 1)], 2.0, 0.5), (False, [(3, 1, 4)], 2.0, 1.0), (True, [(2, 3, 1), (4, 1, 2)], 2.5, 1.0),
              (True, [(5, 2, 4), (1, 3, 3), (3, 1, 1)], 2.0, 0.5)]  # (Llama-style?, pair lengths, beta, gamma)
-    for index, (llama, lengths, beta, gamma) in enumerate(cases):
-        model = tiny_gpt(llama, seed=10 + index, lively=True)
-        batch = _pair_batch(lengths, generator)
+    cases = [(10 + index, *case, generator) for index, case in enumerate(cases)]  # the weights' seed, the ids' source
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(random_seed(fresh), random_bool(fresh), _fresh_lengths(fresh), random_float(fresh, 0.5, 3.0, 1),
+               random_float(fresh, 0.0, 1.5, 1), fresh) for _ in range(2)]
+    for seed, llama, lengths, beta, gamma, source in cases:
+        model = tiny_gpt(llama, seed=seed, lively=True)
+        batch = _pair_batch(lengths, source)
         case = (f"a {'Llama-style' if llama else 'GPT-2'} model, collate_pairs of pairs of lengths {lengths}, "
                 f"beta={beta}, gamma={gamma}: inputs {batch.inputs.tolist()}, targets {batch.targets.tolist()}")
         with torch.no_grad():
             _simpo_case(answer, model, batch, beta, gamma, case)
+        if source is generator:
+            graph_case = model, batch, beta, gamma, case  # the gradient is checked on the last fixed case
+    model, batch, beta, gamma, case = graph_case
     reference_logprobs = torch.randn(batch.inputs.size(0), generator=generator) * 5 - 10  # (2B,)
     batch = PreferenceBatch(batch.inputs, batch.targets, reference_logprobs)
     case += ", the batch carrying precomputed reference_logprobs: loss.backward()"

@@ -30,7 +30,8 @@ from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, ForbiddenCall, 
                                             forbidden, package_as_loaded, resolve, shown, time_limited, too_slow)
 
 __all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_path", "attempt", "describe", "diagnose",
-           "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers"]
+           "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers", "random_bool",
+           "random_float", "random_int", "random_seed"]
 
 DIFFICULTIES = ("warm-up", "medium", "hard")
 KINDS = ("write it yourself", "extend the package")
@@ -154,8 +155,8 @@ def _judge(exercise: Exercise, answer: Any, time_limit: float | None, seed: int)
     except NotDone:
         return Verdict(exercise, "not done yet", "  (the stub still raises NotImplementedError)")
     except Mismatch as mismatch:
-        replay = (f"\n  seed:     {seed} (its fresh cases are drawn again by check(your_answer, seed={seed}))"
-                  if fresh["drawn"] else "")
+        replay = (f"\n  seed:     {seed} (its fresh cases are drawn again by check(your_answer, seed={seed}), "
+                  f"or by --seed {seed} on the command line)" if fresh["drawn"] else "")
         return Verdict(exercise, "failed", mismatch.report() + replay)
     except SystemExit as exit:  # from the answer's code outside attempt (its module's methods, say)
         return Verdict(exercise, "failed", f"  your code called sys.exit({exit.code!r}); {EXIT_HINT}")
@@ -175,6 +176,26 @@ def fresh_generator() -> torch.Generator:
     fresh = _FRESH.get({"seed": 0, "drawn": False})
     fresh["drawn"] = True
     return torch.Generator().manual_seed(fresh["seed"])
+
+
+def random_int(generator: torch.Generator, low: int, high: int) -> int:
+    """An int drawn uniformly from ``low .. high``, both included."""
+    return int(torch.randint(low, high + 1, (), generator=generator))
+
+
+def random_bool(generator: torch.Generator) -> bool:
+    """True or False, each half the time."""
+    return random_int(generator, 0, 1) == 1
+
+
+def random_seed(generator: torch.Generator) -> int:
+    """A seed for a fresh case's own weights or samples (``torch.manual_seed``, ``Generator.manual_seed``)."""
+    return random_int(generator, 0, 2**31 - 1)
+
+
+def random_float(generator: torch.Generator, low: float, high: float, digits: int = 2) -> float:
+    """A float drawn uniformly from [low, high], rounded to ``digits`` decimals (so that a case prints short)."""
+    return round(low + (high - low) * float(torch.rand((), generator=generator)), digits)
 
 
 def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | None = None, **kwargs: Any) -> Any:

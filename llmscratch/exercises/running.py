@@ -35,9 +35,12 @@ class Outcome:
     load_error: str = ""  # why the answers file does not load, if it does not ("does not run: ...")
 
 
-def check_answers(chapter_name: str, path: Path, time_limit: float) -> Outcome:
-    """A verdict on each of the chapter's exercises for the answers in ``path``, each checked in a worker."""
-    worker = _Worker(chapter_name, path, done=[])  # it starts while this process imports the chapter too
+def check_answers(chapter_name: str, path: Path, time_limit: float, seed: int | None = None) -> Outcome:
+    """A verdict on each of the chapter's exercises for the answers in ``path``, each checked in a worker.
+
+    seed: the seed of every check's fresh cases (None: a new one for each, which a failure prints).
+    """
+    worker = _Worker(chapter_name, path, seed, done=[])  # it starts while this process imports the chapter too
     exercises = chapter(chapter_name)
     verdicts: dict[str, Verdict] = {}
     while True:
@@ -58,16 +61,17 @@ def check_answers(chapter_name: str, path: Path, time_limit: float) -> Outcome:
                 verdicts[name] = Verdict(exercise, *message[2:])
         if len(verdicts) == len(exercises.exercises):
             return Outcome([verdicts[name] for name in exercises.exercises], loaded[1])
-        worker = _Worker(chapter_name, path, done=list(verdicts))
+        worker = _Worker(chapter_name, path, seed, done=list(verdicts))
 
 
 class _Worker:
     """A worker process checking a chapter's exercises but those ``done``, and the pipe its messages come by."""
 
-    def __init__(self, chapter_name: str, path: Path, done: list[str]):
+    def __init__(self, chapter_name: str, path: Path, seed: int | None, done: list[str]):
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state of ours for the answers to see
         self.inbox, outbox = context.Pipe(duplex=False)
-        self.process = context.Process(target=_work, args=(chapter_name, str(path), done, outbox, os.getpid()))
+        self.process = context.Process(target=_work, args=(chapter_name, str(path), seed, done, outbox,
+                                                                    os.getpid()))
         self.process.start()
         outbox.close()  # the worker holds the only other end, so its death closes the pipe
 
@@ -106,7 +110,7 @@ class _Worker:
         self.inbox.close()
 
 
-def _work(chapter_name: str, path: str, done: list[str], outbox, parent: int) -> None:
+def _work(chapter_name: str, path: str, seed: int | None, done: list[str], outbox, parent: int) -> None:
     """The worker: the chapter's references first, then the answers, then each exercise's verdict into ``outbox``."""
     if hasattr(os, "setpgrp"):
         os.setpgrp()  # a process group of its own, which the checker ends with everything the answers started
@@ -123,7 +127,8 @@ def _work(chapter_name: str, path: str, done: list[str], outbox, parent: int) ->
         return
     outbox.send(("loaded", sorted(vars(module))))
     for name in [name for name in exercises.exercises if name not in done]:
-        verdict = exercises.check(getattr(module, name, None), name, quiet=True, time_limit=None)  # we kill instead
+        verdict = exercises.check(getattr(module, name, None), name, quiet=True, time_limit=None,  # we kill instead
+                                  seed=seed)
         sys.stdout.flush()  # the answer's prints out before its verdict, in case this process is killed later
         sys.stderr.flush()
         outbox.send(("verdict", name, verdict.status, verdict.detail))
