@@ -39,7 +39,6 @@ def _small_gpt(llama: bool, seed: int, **overrides) -> GPT:
     return model
 
 
-
 def _ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     return token_ids((batch, seq_len), generator, vocab=VOCAB, end_at=(-1, -1))  # (B, T), id 47 in the last row
 

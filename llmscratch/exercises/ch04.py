@@ -36,7 +36,6 @@ def _ids(shape: tuple, generator: torch.Generator) -> torch.Tensor:
     return token_ids(shape, generator, end_at=(-1, -1))  # the last id at the end of the last row
 
 
-
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("next_token_loss", title="The next-token loss, with skipped targets", difficulty="warm-up",
                   section="1. The next-token loss", kind="write it yourself",

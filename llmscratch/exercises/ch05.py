@@ -28,7 +28,6 @@ CHAPTER = Chapter("ch05", "Finetuning: a spam classifier, an instruction followe
 CPU = torch.device("cpu")
 
 
-
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("last_token_logits", title="Each row's logits at its last real token", difficulty="warm-up",
                   section="1.3 Why the last real token", kind="write it yourself")

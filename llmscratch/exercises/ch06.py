@@ -42,7 +42,6 @@ def _pair_batch(lengths: list[tuple[int, int, int]], generator: torch.Generator)
     return collate_pairs(pairs, EOS)
 
 
-
 def _fresh_lengths(generator: torch.Generator) -> list[tuple[int, int, int]]:
     """The (prompt, chosen, rejected) lengths of 1 to 3 random pairs: a batch no table of the fixed ones holds."""
     return [(random_int(generator, 1, 5), random_int(generator, 1, 4), random_int(generator, 1, 4))
