@@ -33,6 +33,7 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "parallel_memory": ["-m", "benchmarks.bench_parallel_memory"],  # 4 gloo processes, one thread each
     "load_checks": ["-m", "benchmarks.bench_load_checks"],
     "qkv": ["-m", "benchmarks.bench_qkv"],
+    "quantize": ["-m", "benchmarks.bench_quantize"],
 }
 
 

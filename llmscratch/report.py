@@ -29,7 +29,7 @@ from llmscratch.checkpoint import load_checkpoint
 from llmscratch.classify import Classifier, evaluate_classifier, make_batches, spam_splits
 from llmscratch.config import FinetuneConfig
 from llmscratch.data import split_text
-from llmscratch.evaluation import evaluate, token_byte_lengths
+from llmscratch.evaluation import bits_per_byte, evaluate, token_byte_lengths
 from llmscratch.instruct import MAX_NEW_TOKENS, evaluate_responses, read_json_records, respond
 from llmscratch.metrics import check_choice_items, mean_rouge_l, multiple_choice_accuracy, wilson_interval
 from llmscratch.progress import progress_bar
@@ -130,8 +130,8 @@ def language_model_scores(model: nn.Module, tokenizer, benchmarks: Benchmarks, d
             usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
             predicted = (usable - 1) // context * context
             scores["bits_per_byte"] = plain(result["bits_per_byte"], predicted)
-            # What a model that learned nothing pays: log2(V) bits for every token, whatever it is.
-            uniform = math.log2(model.config.vocab_size) / result["bytes_per_token"]
+            # What a model that learned nothing pays: ln V nats for every token, whatever it is.
+            uniform = bits_per_byte(math.log(model.config.vocab_size), result["bytes_per_token"])
             scores["uniform_bits_per_byte"] = plain(uniform, predicted)
     if benchmarks.instructions:
         with benchmark("instruction answers"):
