@@ -34,6 +34,9 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "load_checks": ["-m", "benchmarks.bench_load_checks"],
     "qkv": ["-m", "benchmarks.bench_qkv"],
     "quantize": ["-m", "benchmarks.bench_quantize"],
+    "distill": ["-m", "benchmarks.bench_distill"],  # 3 seeds x 3 students: about 13 minutes on 2 idle cores
+    "speculative": ["-m", "benchmarks.bench_speculative"],
+    "prune": ["-m", "benchmarks.bench_prune"],
 }
 
 

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from llmscratch.assets import INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH, PRETRAINED_PATH
-from llmscratch.cli import run_folder, value_errors_exit
+from llmscratch.assets import INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH
+from llmscratch.cli import resolve_model, run_folder, value_errors_exit
 from llmscratch.corpus import input_problem
 from llmscratch.device import resolve_device
 from llmscratch.report import (
@@ -34,37 +34,6 @@ from llmscratch.report import (
     write_report,
 )
 from llmscratch.runfolder import folder_problem, save_or_rescue
-
-# name -> (default location, the command that makes it)
-DEFAULT_MODELS = {
-    "base": (PRETRAINED_PATH,
-             "python ch04-pretraining/pretrain.py --export-dtype bfloat16 --dtype bfloat16 (bundled with llmscratch)"),
-    "instructions": (Path("runs/instructions/model.safetensors"), "python ch05-finetuning/finetune_instructions.py"),
-    "dpo": (Path("runs/preferences/model.safetensors"), "python ch06-alignment/finetune_preferences.py"),
-    "classifier": (Path("runs/classifier/classifier.pt"), "python ch05-finetuning/finetune_classifier.py"),
-}
-
-
-def resolve_model(spec: str) -> tuple[str, Path]:
-    """(column name, path) of one --model value; ValueError naming it when there is no such model."""
-    label, sep, value = spec.partition("=")
-    if not sep or Path(spec).exists():  # a path may hold "=" itself
-        label, value = "", spec
-    if not value:
-        raise ValueError(f"--model {spec}: no model after {label!r}= (expected LABEL=PATH, or a path or name alone)")
-    if value in DEFAULT_MODELS:
-        path, command = DEFAULT_MODELS[value]
-        if not path.exists():
-            raise ValueError(f"--model {value}: {path} does not exist; make it with: {command}")
-        return label or value, path
-    path = Path(value)
-    if not path.exists():
-        raise ValueError(f"--model {value}: no such file or folder (expected a run folder, a model file, or one of "
-                         f"{', '.join(DEFAULT_MODELS)})")
-    if path.is_dir() and (path / "classifier.pt").is_file():
-        path = path / "classifier.pt"
-    return label or (path.parent.name if path.is_file() else path.name) or str(path), path
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),

@@ -160,26 +160,29 @@ class MultiHeadAttention(nn.Module):
         fused: bool = True,
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
+        head_dim: int | None = None,
     ):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if min(d_in, d_out, n_heads, n_kv_heads) <= 0:
+        if min(d_in, d_out, n_heads, n_kv_heads, head_dim or 1) <= 0:
             raise ValueError(
                 f"sizes must be positive; got d_in={d_in}, d_out={d_out}, "
-                f"n_heads={n_heads}, n_kv_heads={n_kv_heads}"
+                f"n_heads={n_heads}, n_kv_heads={n_kv_heads}, head_dim={head_dim}"
             )
-        check_heads(d_out, n_heads, n_kv_heads)
+        # head_dim: each head's width when the heads do not split d_out (a model with heads pruned away
+        # keeps their width and has fewer of them); None: d_out // n_heads.
+        check_heads(d_out if head_dim is None else n_heads * head_dim, n_heads, n_kv_heads)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1); got dropout={dropout}")
         self.d_out = d_out
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = d_out // n_heads
+        self.head_dim = d_out // n_heads if head_dim is None else head_dim
         self.dropout = dropout
         self.fused = fused
         self.qkv_sizes = (n_heads * self.head_dim, n_kv_heads * self.head_dim, n_kv_heads * self.head_dim)
         self.qkv = nn.Linear(d_in, sum(self.qkv_sizes), bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_out, bias=out_bias)
         # QK-norm: each head's query and key scaled to RMS 1, times gains shared by the heads, so a
         # logit q.k / sqrt(hs) stays within +-sqrt(hs) x gains however large the projections grow.
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
@@ -228,7 +231,7 @@ class MultiHeadAttention(nn.Module):
             context = fused_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs)
         else:
             context, weights = explicit_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs), (B, nh, T, S)
-        context = context.transpose(1, 2).reshape(batch_size, seq_len, self.d_out)  # (B, T, d_out)
+        context = context.transpose(1, 2).reshape(batch_size, seq_len, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         out = self.out_proj(context)  # (B, T, d_out)
         return (out, weights) if need_weights else out
 

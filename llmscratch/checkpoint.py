@@ -36,6 +36,7 @@ from torch import nn
 
 from llmscratch.atomic import write_atomically
 from llmscratch.model import GPT, GPTConfig, unwrap
+from llmscratch.quantize import quantize
 from llmscratch.tokenizer import BPETokenizer
 
 CHECKPOINT_FORMAT = "llmscratch-checkpoint"
@@ -231,19 +232,27 @@ def export_model(model: nn.Module, path: str | os.PathLike, tokenizer: BPETokeni
     ``model_from_checkpoint`` loads them back into a float32 model either way.
     """
     raw = unwrap(model)
-    export_state_dict(raw.state_dict(), raw.config, path, tokenizer, dtype)
+    export_state_dict(raw.state_dict(), raw.config, path, tokenizer, dtype, getattr(raw, "quantization", None))
 
 
 def export_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, path: str | os.PathLike,
-                      tokenizer: BPETokenizer | None = None, dtype: torch.dtype | None = None) -> None:
-    """``export_model`` from a full state dict and its config (e.g. gathered from a sharded model)."""
+                      tokenizer: BPETokenizer | None = None, dtype: torch.dtype | None = None,
+                      quantization: dict[str, Any] | None = None) -> None:
+    """``export_model`` from a full state dict and its config (e.g. gathered from a sharded model).
+
+    quantization: the settings of a model made by ``llmscratch.quantize.quantize`` (its
+    ``.quantization``); its integer weights and their scales are stored as they are, whatever ``dtype``.
+    """
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"an export's dtype must be a floating point type (e.g. torch.bfloat16), got {dtype}")
-    tensors = {name: tensor.detach().to("cpu", dtype or tensor.dtype)
+    tensors = {name: tensor.detach().to("cpu", dtype if dtype and not _quantized_part(name, quantization)
+                                               and tensor.is_floating_point() else tensor.dtype)
                for name, tensor in clean_state_dict(state).items()}
     if config.tie_embeddings:
-        del tensors["lm_head.weight"]  # the same matrix as the token embedding: stored once
+        tensors.pop("lm_head.weight", None)  # the same matrix as the token embedding: stored once
     metadata = {"format": EXPORT_FORMAT, "model_config": json.dumps(config.to_dict())}
+    if quantization is not None:
+        metadata["quantization"] = json.dumps(quantization)
     if tokenizer is not None:
         metadata["tokenizer"] = tokenizer.to_json()
     write_safetensors(path, tensors, metadata)
@@ -318,11 +327,14 @@ def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.dev
         if not path.is_file():
             raise ValueError(f"no model export at {path}")
         metadata, tensors = _read_export(path)
-        check_weights(tensors, path)
+        quantization = json.loads(metadata["quantization"]) if "quantization" in metadata else None
+        check_weights({k: v for k, v in tensors.items() if not (quantization and k.endswith(".qweight"))}, path)
         config = config_from_dict(json.loads(metadata["model_config"]), str(path))
-        if config.tie_embeddings and "token_embedding.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["token_embedding.weight"]
         model = GPT(config)
+        if quantization is not None:  # the quantized layers' shapes and dtypes, then the file's values in them
+            model = quantized_like(model, quantization, tensors, path)
+        if config.tie_embeddings and "token_embedding.weight" in tensors and "lm_head.weight" in model.state_dict():
+            tensors["lm_head.weight"] = tensors["token_embedding.weight"]
         load_model_state(model, tensors)
         return model.to(map_location)
     state = load_checkpoint(path, map_location)
@@ -334,6 +346,26 @@ def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.dev
     model = GPT(config_from_dict(state["model_config"], str(path)))
     load_model_state(model, state["model"])
     return model.to(map_location)
+
+
+def _quantized_part(name: str, quantization: dict[str, Any] | None) -> bool:
+    """Whether a tensor of a quantized model's state is one of its integer weights or their scales."""
+    return quantization is not None and name.rpartition(".")[2] in ("qweight", "scales")
+
+
+def quantized_like(model: GPT, quantization: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   source: str | os.PathLike) -> GPT:
+    """``model`` quantized with a file's settings, its integer weights' dtypes checked against the file's."""
+    settings = {key: quantization.get(key) for key in ("scheme", "group_size", "head")}
+    try:
+        model = quantize(model, settings["scheme"], settings["group_size"] or 64, bool(settings["head"]))
+    except ValueError as err:
+        raise ValueError(f"{source}: its quantization {quantization} does not fit its model: {err}") from None
+    for name, buffer in model.state_dict().items():
+        if name.endswith(".qweight") and name in tensors and tensors[name].dtype != buffer.dtype:
+            raise ValueError(f"{source}: {name}: the file holds {tensors[name].dtype} values, expected {buffer.dtype} "
+                             f"({settings['scheme']} weights)")
+    return model
 
 
 def tokenizer_from_checkpoint(path: str | os.PathLike) -> BPETokenizer:

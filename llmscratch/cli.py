@@ -23,7 +23,7 @@ from llmscratch.runfolder import FolderInUse, claim, file_problem, folder_proble
 
 __all__ = ["HelpFormatter", "add_finetune_flags", "add_flags", "add_lora_flags", "add_out_dir_flags", "build_config",
            "check_finetune_flags", "check_in_files", "check_out_dir", "check_out_files", "finetune_config",
-           "finite_float", "refuse", "run_folder", "run_script", "value_errors_exit"]
+           "finite_float", "refuse", "resolve_model", "run_folder", "run_script", "value_errors_exit"]
 
 FLOAT32_MAX = 3.4028234663852886e38  # the weights' precision: a larger learning rate overflows in the optimizer
 
@@ -224,3 +224,34 @@ def finetune_config(args: argparse.Namespace, config_class: type[FinetuneConfig]
         raise ValueError(f"LoRA {err}") from None
     config = build_config(config_class, args, lora=lora, trainable="lora" if args.lora else args.trainable)
     return dataclasses.replace(config, epochs=1) if args.test_mode else config  # a new config, checked again
+
+
+# name -> (default location, the command that makes it): what a script's --model NAME means
+DEFAULT_MODELS = {
+    "base": (PRETRAINED_PATH,
+             "python ch04-pretraining/pretrain.py --export-dtype bfloat16 --dtype bfloat16 (bundled with llmscratch)"),
+    "instructions": (Path("runs/instructions/model.safetensors"), "python ch05-finetuning/finetune_instructions.py"),
+    "dpo": (Path("runs/preferences/model.safetensors"), "python ch06-alignment/finetune_preferences.py"),
+    "classifier": (Path("runs/classifier/classifier.pt"), "python ch05-finetuning/finetune_classifier.py"),
+}
+
+
+def resolve_model(spec: str) -> tuple[str, Path]:
+    """(column name, path) of one --model value; ValueError naming it when there is no such model."""
+    label, sep, value = spec.partition("=")
+    if not sep or Path(spec).exists():  # a path may hold "=" itself
+        label, value = "", spec
+    if not value:
+        raise ValueError(f"--model {spec}: no model after {label!r}= (expected LABEL=PATH, or a path or name alone)")
+    if value in DEFAULT_MODELS:
+        path, command = DEFAULT_MODELS[value]
+        if not path.exists():
+            raise ValueError(f"--model {value}: {path} does not exist; make it with: {command}")
+        return label or value, path
+    path = Path(value)
+    if not path.exists():
+        raise ValueError(f"--model {value}: no such file or folder (expected a run folder, a model file, or one of "
+                         f"{', '.join(DEFAULT_MODELS)})")
+    if path.is_dir() and (path / "classifier.pt").is_file():
+        path = path / "classifier.pt"
+    return label or (path.parent.name if path.is_file() else path.name) or str(path), path

@@ -73,6 +73,16 @@ def sample_next_token(
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)  # (B,)
+    probs = sampling_probs(logits, temperature, top_k, top_p)  # (B, V)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """The probabilities (B, V) that ``sample_next_token`` draws from, for a temperature > 0.
+
+    Speculative decoding (``llmscratch.speculative``) needs them whole, for the target and the draft alike.
+    """
     # < 1 sharpens the distribution, > 1 flattens it. Shifted so that the largest logit is 0, in
     # float64 where any float temperature is a nonzero number: a tiny one sends the others to
     # -inf, never inf / inf = NaN (softmax is unchanged by the shift).
@@ -84,8 +94,7 @@ def sample_next_token(
         logits = top_p_filter(logits, top_p)
     # Sample from probabilities: multinomial treats its input as unnormalised weights, so
     # log-probabilities (negative numbers) would be a silent, wrong distribution.
-    probs = torch.softmax(logits, dim=-1)  # (B, V)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+    return torch.softmax(logits, dim=-1)  # (B, V)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -50,16 +50,27 @@ class GPTConfig:
     dropout: float = setting(0.0, "dropout on embeddings, attention weights and residual branches",
                              lambda value: None if 0 <= value < 1 else "must be in [0, 1)")
     fused_attention: bool = setting(True, "scaled_dot_product_attention; False: the explicit math")
+    head_size: int | None = setting(None, "each head's width; None: d_model // n_heads (a model with heads pruned "
+                                          "away keeps their width and has fewer of them, llmscratch.prune)",
+                                    positive_int)
 
     def __post_init__(self):
         check_fields(self)  # each field on its own: kind, range, choices
-        check_heads(self.d_model, self.n_heads, self.kv_heads, width_name="d_model")
+        if self.head_size is None:
+            check_heads(self.d_model, self.n_heads, self.kv_heads, width_name="d_model")
+        else:
+            check_heads(self.n_heads * self.head_size, self.n_heads, self.kv_heads, width_name="n_heads * head_size")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
 
+    def __repr__(self) -> str:
+        # head_size only where it is set (a pruned model's config), so the usual configs print as they always have
+        shown = [f for f in dataclasses.fields(self) if f.name != "head_size" or self.head_size is not None]
+        return f"GPTConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_model // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def kv_heads(self) -> int:
@@ -153,7 +164,7 @@ class Block(nn.Module):
         self.attn = MultiHeadAttention(
             config.d_model, config.d_model, config.n_heads, config.kv_heads, qkv_bias=config.qkv_bias,
             out_bias=config.bias, dropout=config.dropout, fused=config.fused_attention,
-            qk_norm=config.qk_norm, norm_eps=config.norm_eps,
+            qk_norm=config.qk_norm, norm_eps=config.norm_eps, head_dim=config.head_size,
         )
         self.mlp_norm = make_norm(config)
         if config.mlp == "swiglu":
@@ -295,7 +306,8 @@ class GPT(nn.Module):
         if self.config.tie_embeddings:
             matmul_weights += self.lm_head.weight.numel()  # the tied table is also the output head
         matmul_weights -= sum(p.numel() for n, p in self.named_parameters() if p.dim() < 2)
-        forward = 2 * matmul_weights + 4 * self.config.n_layers * seq_len * self.config.d_model
+        attention_width = self.config.n_heads * self.config.head_dim  # d_model unless heads were pruned
+        forward = 2 * matmul_weights + 4 * self.config.n_layers * seq_len * attention_width
         return 3 * forward if training else forward
 
 

@@ -3,22 +3,36 @@
 A weight matrix (out_features, in_features) is stored as small integers and a float scale per row
 (int8) or per group of ``group_size`` inputs of a row (int4, two values packed in a byte), and turned
 back into floats, ``q * scale``, when the layer runs. Both schemes are symmetric: 0 stays exactly 0.
-The activations and everything outside the blocks' linear layers (embeddings, norms, the output
-head) stay in full precision.
+The activations, the embedding and the norms stay in full precision; the output head is int8 under
+either scheme (it is the largest matrix of a small model, and the one whose errors every logit shares).
+
+Decoding one token reads every weight once, so its speed is the bytes it reads. Dequantizing a
+whole matrix to multiply it would read the int8 bytes and write and read the float32 ones, slower
+than not quantizing at all. The compiled decoding step instead multiplies by the integers where
+they lie: ``word_product`` reads the stored bytes as 32-bit words and takes each value out of its
+word with shifts, so inductor makes the product one vectorised loop over the weight rows. For that,
+a layer stores its values in *word order* (``to_word_order``): within each block of eight words,
+value n of word i is column ``n * 8 + i`` of the block, so the activations each value meets are
+contiguous too.
 """
 import copy
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 SCHEMES = {"int8": 127, "int4": 7}  # the largest |q| of each: a row's (or group's) largest |w| maps to it
+VALUES_PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the stored layout
+WORDS = 8  # words per block of the word order: one 256-bit vector register of int32
+HEAD_SCHEME = "int8"
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): int8 (out, in) in [-127, 127] and float32 (out,), with weight ~ q * scales[:, None]."""
     weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / SCHEMES["int8"]  # (out,)
+    # a row of zeros gets the smallest normal scale, not 0 (0 / 0) or a subnormal (0 where denormals flush)
+    scales = (weight.abs().amax(dim=1) / SCHEMES["int8"]).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
     q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 
@@ -34,21 +48,38 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     Each group of ``group_size`` consecutive inputs of a row gets its own scale, so one outlier spoils
     only its group. q in [-7, 7] is stored as q + 8; column 2j in the low half of byte j, 2j + 1 in the high.
     """
+    q, scales = _int4_values(weight, group_size)
+    return pack_int4(q), scales
+
+
+def _int4_values(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): q as int8 (out, in) in [-7, 7], before packing."""
     out_features, in_features = weight.shape
     _check_int4_shape(in_features, group_size)
     groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
-    scales = groups.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / SCHEMES["int4"]  # (out, n_groups)
+    scales = (groups.abs().amax(dim=2) / SCHEMES["int4"]).clamp(min=torch.finfo(torch.float32).tiny)  # (out, n_groups)
     q = torch.round(groups / scales[..., None]).clamp(-7, 7).reshape(out_features, in_features)
+    return q.to(torch.int8), scales
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values (out, in) in [-7, 7] as bytes (out, in / 2): q + 8, column 2j low, 2j + 1 high."""
     stored = (q + 8).to(torch.uint8)  # 1 .. 15
-    return stored[:, 0::2] | (stored[:, 1::2] << 4), scales
+    return stored[:, 0::2] | (stored[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 values (out, in) in [-7, 7] that ``pack_int4`` packed."""
+    out_features, half = packed.shape
+    return torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(out_features, 2 * half).to(torch.int8) - 8
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 weight (out, in) that packed int4 values and their group scales stand for."""
-    out_features, half = packed.shape
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(out_features, 2 * half).float() - 8  # (out, in)
-    group_size = 2 * half // scales.shape[1]
-    return (q.reshape(out_features, -1, group_size) * scales[..., None]).reshape(out_features, 2 * half)
+    q = unpack_int4(packed).float()  # (out, in)
+    out_features, in_features = q.shape
+    group_size = in_features // scales.shape[1]
+    return (q.reshape(out_features, -1, group_size) * scales[..., None]).reshape(out_features, in_features)
 
 
 def _check_int4_shape(in_features: int, group_size: int) -> None:
@@ -64,8 +95,75 @@ def _divisor(n: int) -> int:
     return max((g for g in range(2, min(n, 128) + 1, 2) if n % g == 0), default=2)
 
 
+# --------------------------------------------------------------------------- the word order and its product
+def to_word_order(q: torch.Tensor, per_word: int) -> torch.Tensor:
+    """q (out, in) with its columns reordered within each block of ``WORDS * per_word`` columns.
+
+    In the result, column ``i * per_word + n`` of a block (value n of word i, once packed) is column
+    ``n * WORDS + i`` of the block in ``q``: the values of a word meet activations ``WORDS`` apart, so
+    value n of every word in a block meets one contiguous run of ``WORDS`` activations.
+    """
+    out_features, in_features = q.shape
+    blocks = q.reshape(out_features, in_features // (WORDS * per_word), per_word, WORDS)  # (out, nb, n, i)
+    return blocks.transpose(2, 3).reshape(out_features, in_features)  # (out, nb, i, n) flattened
+
+
+def from_word_order(stored: torch.Tensor, per_word: int) -> torch.Tensor:
+    """The inverse of ``to_word_order``: columns back in their natural order."""
+    out_features, in_features = stored.shape
+    blocks = stored.reshape(out_features, in_features // (WORDS * per_word), WORDS, per_word)  # (out, nb, i, n)
+    return blocks.transpose(2, 3).reshape(out_features, in_features)
+
+
+def word_order_fits(scheme: str, in_features: int, group_size: int | None) -> bool:
+    """Whether a layer can be stored in word order: whole blocks, and (int4) each run of WORDS in one group."""
+    block = WORDS * VALUES_PER_WORD[scheme]
+    fits = in_features % block == 0 and sys.byteorder == "little"
+    if scheme == "int4":
+        fits = fits and group_size % WORDS == 0 and (group_size % block == 0 or block % group_size == 0)
+    return fits
+
+
+def word_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor, scheme: str) -> torch.Tensor:
+    """x (..., in) times the weight that word-ordered ``stored`` and ``scales`` stand for: (..., out).
+
+    The same as ``F.linear(x, dequantized weight)``, written as integer shifts, a multiply and a sum,
+    for ``torch.compile`` to fuse into one loop that reads each stored byte once. Run eagerly it
+    would build weight-sized temporaries: use it only where a compiler traces it.
+    """
+    per_word = VALUES_PER_WORD[scheme]
+    out_features, in_features = stored.size(0), stored.size(1) * (2 if scheme == "int4" else 1)
+    n_blocks = in_features // (WORDS * per_word)
+    words = stored.view(torch.int32).view(out_features, n_blocks, WORDS)  # (out, nb, i)
+    runs = x.float().reshape(*x.shape[:-1], 1, n_blocks, per_word, WORDS)  # (..., 1, nb, n, i)
+    total = 0
+    for n in range(per_word):
+        if scheme == "int8":  # byte n of each word, sign-extended: shift it to the top, then back down
+            values = ((words << (24 - 8 * n)) >> 24).float()  # (out, nb, i)
+        else:  # nibble n, stored as q + 8
+            values = (((words >> (4 * n)) & 0xF) - 8).float() * _run_scales(scales, n, n_blocks)[..., None]
+        total = total + runs[..., n, :] * values  # (..., out, nb, i)
+    out = total.sum((-2, -1))  # (..., out)
+    return (out * scales if scheme == "int8" else out).to(x.dtype)
+
+
+def _run_scales(scales: torch.Tensor, n: int, n_blocks: int) -> torch.Tensor:
+    """The int4 scale of run n of each block: (out, nb), from group scales (out, in / group_size)."""
+    out_features, n_groups = scales.shape
+    block = WORDS * VALUES_PER_WORD["int4"]
+    if n_groups <= n_blocks:  # a group spans whole blocks: one scale for the block
+        return scales[:, :, None].expand(out_features, n_groups, n_blocks // n_groups).reshape(out_features, n_blocks)
+    per_block = n_groups // n_blocks  # a block spans whole groups: run n lies in group n * WORDS // group_size
+    return scales.view(out_features, n_blocks, per_block)[:, :, n * WORDS * per_block // block]
+
+
+# --------------------------------------------------------------------------- the layer and the model
 class QuantizedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight is stored as int8 or packed int4 with float scales (no gradients)."""
+    """An ``nn.Linear`` whose weight is stored as int8 or packed int4 with float scales (no gradients).
+
+    ``qweight`` holds the values in word order where the shape allows (``word_order_fits``), else
+    in their natural order; ``weight`` is the dequantized float32 matrix either way.
+    """
 
     def __init__(self, linear: nn.Linear, scheme: str, group_size: int = 64):
         super().__init__()
@@ -73,20 +171,33 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         self.group_size = group_size if scheme == "int4" else None
-        q, scales = quantize_int8(linear.weight) if scheme == "int8" else quantize_int4(linear.weight, group_size)
-        self.register_buffer("qweight", q)
+        self.word_order = word_order_fits(scheme, self.in_features, self.group_size)
+        q, scales = quantize_int8(linear.weight) if scheme == "int8" else _int4_values(linear.weight, group_size)
+        if self.word_order:
+            q = to_word_order(q, VALUES_PER_WORD[scheme])
+        self.register_buffer("qweight", q if scheme == "int8" else pack_int4(q))
         self.register_buffer("scales", scales)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.register_buffer("bias", bias)
 
+    def values(self) -> torch.Tensor:
+        """The integer values (out, in) in their natural column order, as int8."""
+        q = self.qweight if self.scheme == "int8" else unpack_int4(self.qweight)
+        return from_word_order(q, VALUES_PER_WORD[self.scheme]) if self.word_order else q
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized float32 weight (out, in): what the layer multiplies by."""
+        q = self.values().float()
         if self.scheme == "int8":
-            return dequantize_int8(self.qweight, self.scales)
-        return dequantize_int4(self.qweight, self.scales)
+            return q * self.scales[:, None]
+        groups = q.reshape(self.out_features, -1, self.group_size) * self.scales[..., None]
+        return groups.reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.word_order and x.device.type == "cpu" and x.numel() == x.size(-1) and torch.compiler.is_compiling():
+            out = word_product(x, self.qweight, self.scales, self.scheme)  # one row, traced: the fused loop
+            return out if self.bias is None else out + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype), bias)
 
@@ -95,11 +206,13 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}{group}"
 
 
-def quantize(model: nn.Module, scheme: str, group_size: int = 64) -> nn.Module:
+def quantize(model: nn.Module, scheme: str, group_size: int = 64, head: bool = True) -> nn.Module:
     """A copy of ``model`` whose blocks' linear layers are ``QuantizedLinear``; the original is untouched.
 
-    Embeddings, norms and the output head (tied to the embedding in the course's models) stay as
-    they are. For int4, group_size must divide every such layer's input features.
+    head: also store the output head as int8 (under either scheme). A head tied to the embedding
+    is untied: the embedding keeps its float32 rows for looking tokens up. Norms and embeddings
+    stay as they are. For int4, group_size must divide every block layer's input features. The
+    copy records its settings in ``.quantization`` (what ``checkpoint.export_model`` saves).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
@@ -118,4 +231,8 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 64) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = quantized.blocks.get_submodule(parent_name)
         setattr(parent, child, QuantizedLinear(getattr(parent, child), scheme, group_size))
+    head = head and type(getattr(quantized, "lm_head", None)) is nn.Linear
+    if head:
+        quantized.lm_head = QuantizedLinear(quantized.lm_head, HEAD_SCHEME)
+    quantized.quantization = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None, "head": head}
     return quantized.eval()

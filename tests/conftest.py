@@ -1,5 +1,6 @@
 """Marks for the whole suite: every notebook cell that nbval runs is slow (a notebook runs whole or not at all);
-tests marked cuda are deselected where torch sees no CUDA GPU."""
+tests marked cuda are deselected where torch sees no CUDA GPU. And ``one_torch_thread``, for test files of tiny models
+(``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
 
 import pytest
 
@@ -18,3 +19,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Deselected, not skipped: a CPU run reports "N deselected", and cannot pass for a GPU run by skipping them.
     items[:] = [item for item in items if not item.get_closest_marker("cuda")]
     config.hook.pytest_deselected(items=on_gpu)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread while a test runs: the models are tiny, and on a busy machine a second thread mostly waits for
+    a core (a tiny model's generate: 3.3 s with two threads under load, 0.05 s with one)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,16 +1,22 @@
 """llmscratch.quantize: int8 and int4 weights against a float64 numpy reference, and quantized GPTs."""
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from llmscratch.checkpoint import CHECKSUM_KEY, export_model, model_from_checkpoint, read_safetensors, write_safetensors
 from llmscratch.generate import generate
 from llmscratch.model import GPT, GPTConfig
-from llmscratch.quantize import (QuantizedLinear, dequantize_int4, dequantize_int8, quantize, quantize_int4,
-                                 quantize_int8)
+from llmscratch.quantize import (SCHEMES, QuantizedLinear, dequantize_int4, dequantize_int8, from_word_order, quantize,
+                                 quantize_int4, quantize_int8, to_word_order, word_product)
 from tests.model_fixtures import randomize
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def reference(weight: torch.Tensor, largest: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,13 +92,16 @@ def test_a_quantized_gpt_is_the_gpt_with_its_weights_rounded(llama, scheme):
     block_linears = [name for name, m in model.blocks.named_modules() if isinstance(m, nn.Linear)]
     assert block_linears and all(isinstance(quantized.blocks.get_submodule(n), QuantizedLinear) for n in block_linears)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the original is untouched
-    assert type(quantized.lm_head) is nn.Linear and torch.equal(quantized.token_embedding.weight,
-                                                                model.token_embedding.weight)
-    # The same model with every block weight replaced by its dequantized value gives the same logits and text.
+    assert isinstance(quantized.lm_head, QuantizedLinear) and quantized.lm_head.scheme == "int8"
+    assert torch.equal(quantized.token_embedding.weight, model.token_embedding.weight)  # looked up in float32
+    # The same model with every block weight and the head replaced by its dequantized value gives the same
+    # logits and text (the head untied: the embedding keeps its float32 rows).
     rounded = copy.deepcopy(model)
+    rounded.lm_head = nn.Linear(32, 97, bias=False)
     with torch.no_grad():
         for name in block_linears:
             rounded.blocks.get_submodule(name).weight.copy_(quantized.blocks.get_submodule(name).weight)
+        rounded.lm_head.weight.copy_(quantized.lm_head.weight)
     idx = torch.randint(97, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(quantized(idx), rounded(idx), rtol=1e-5, atol=1e-5)
@@ -119,3 +128,130 @@ def test_int8_logits_are_closer_to_the_model_than_int4(llama):
 def test_bad_settings_are_named(call, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         call()
+
+
+def test_the_head_can_stay_in_float():
+    model = tiny_gpt(True)
+    kept = quantize(model, "int4", group_size=16, head=False)
+    assert type(kept.lm_head) is nn.Linear and kept.lm_head.weight is kept.token_embedding.weight  # still tied
+    assert kept.quantization == {"scheme": "int4", "group_size": 16, "head": False}
+
+
+# --------------------------------------------------------------------------- the word order and its product
+def test_word_order_puts_each_words_values_a_run_apart_as_written_by_hand():
+    q = torch.arange(64, dtype=torch.int8).reshape(1, 64)  # two int8 blocks of 8 words x 4 values
+    stored = to_word_order(q, 4)
+    # word i of a block holds columns i, 8 + i, 16 + i, 24 + i of that block
+    assert stored[0, :8].tolist() == [0, 8, 16, 24, 1, 9, 17, 25]
+    assert stored[0, 32:36].tolist() == [32, 40, 48, 56]
+    assert torch.equal(from_word_order(stored, 4), q)
+    assert torch.equal(from_word_order(to_word_order(q, 8), 8), q)
+
+
+def float64_product(x: torch.Tensor, layer: QuantizedLinear, reference_weight: np.ndarray) -> torch.Tensor:
+    return x.double() @ torch.from_numpy(reference_weight).T
+
+
+@pytest.mark.parametrize("scheme, group_size, in_features", [
+    ("int8", None, 64), ("int8", None, 96), ("int4", 64, 128), ("int4", 8, 64), ("int4", 32, 192), ("int4", 128, 256),
+    ("int4", 256, 512)])
+def test_the_word_product_is_the_float64_product_with_the_dequantized_weight(scheme, group_size, in_features):
+    generator = torch.Generator().manual_seed(in_features + (group_size or 0))
+    linear = nn.Linear(in_features, 24, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(24, in_features, generator=generator))
+    layer = QuantizedLinear(linear, scheme, group_size or 64)
+    assert layer.word_order
+    _, expected_weight = reference(linear.weight.detach(), SCHEMES[scheme], group_size or in_features)
+    x = torch.randn(1, in_features, generator=generator)
+    expected = float64_product(x, layer, expected_weight)
+    torch.testing.assert_close(word_product(x, layer.qweight, layer.scales, scheme).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.double(), torch.from_numpy(expected_weight), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scheme, group_size, in_features", [("int8", None, 30), ("int4", 6, 30), ("int4", 48, 96)])
+def test_a_layer_outside_the_word_order_keeps_its_columns_and_still_multiplies(scheme, group_size, in_features):
+    linear = nn.Linear(in_features, 5)
+    layer = QuantizedLinear(linear, scheme, group_size or 64)
+    assert not layer.word_order
+    _, expected_weight = reference(linear.weight.detach(), SCHEMES[scheme], group_size or in_features)
+    x = torch.randn(2, in_features)
+    torch.testing.assert_close(layer(x).double(), float64_product(x, layer, expected_weight) + linear.bias.double(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_compiled_decoding_of_a_quantized_gpt_gives_the_eager_tokens(scheme):
+    # d_model 64 and d_ff 128 fit the word order: the compiled step multiplies by the stored words.
+    config = GPTConfig(vocab_size=97, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                       norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
+    model = GPT(config)
+    randomize(model, seed=5, scale=0.3)
+    quantized = quantize(model.eval(), scheme, group_size=64)
+    assert all(m.word_order for m in quantized.modules() if isinstance(m, QuantizedLinear))
+    idx = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert torch.equal(generate(quantized, idx, 10, compile=True), generate(quantized, idx, 10))
+
+
+# --------------------------------------------------------------------------- saved and loaded
+@pytest.mark.parametrize("scheme, head", [("int8", True), ("int4", True), ("int4", False)])
+def test_a_quantized_model_saves_and_loads_with_its_integers_and_scales(tmp_path, scheme, head):
+    model = tiny_gpt(True)
+    quantized = quantize(model, scheme, group_size=16, head=head)
+    path, half = tmp_path / "q.safetensors", tmp_path / "bf16.safetensors"
+    export_model(quantized, half, dtype=torch.bfloat16)  # floats in bfloat16; the integers and scales as they are
+    _, tensors = read_safetensors(half)
+    assert tensors["blocks.0.mlp.up.qweight"].dtype == (torch.int8 if scheme == "int8" else torch.uint8)
+    assert tensors["blocks.0.mlp.up.scales"].dtype == torch.float32
+    assert tensors["token_embedding.weight"].dtype == torch.bfloat16
+    assert ("lm_head.qweight" in tensors) == head and "lm_head.weight" not in tensors  # a tied head stored once
+    export_model(quantized, path)
+    loaded = model_from_checkpoint(path).eval()
+    assert loaded.quantization == quantized.quantization
+    for name, buffer in quantized.state_dict().items():
+        if name.endswith((".qweight", ".scales")):
+            assert torch.equal(loaded.state_dict()[name], buffer), name
+    idx = torch.randint(97, (1, 9), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(generate(loaded, idx, 8), generate(quantized, idx, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), quantized(idx))
+
+
+def test_a_file_whose_integer_weights_became_floats_is_refused(tmp_path):
+    quantized = quantize(tiny_gpt(True), "int8")
+    path = tmp_path / "q.safetensors"
+    export_model(quantized, path)
+    metadata, tensors = read_safetensors(path)
+    tensors["blocks.1.attn.qkv.qweight"] = tensors["blocks.1.attn.qkv.qweight"].float()
+    write_safetensors(path, tensors, {k: v for k, v in metadata.items() if k != CHECKSUM_KEY})
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn\.qkv\.qweight: the file holds torch\.float32 values, "
+                                         r"expected torch\.int8"):
+        model_from_checkpoint(path)
+
+
+def test_the_script_writes_a_model_that_other_scripts_load(tmp_path):
+    out = tmp_path / "int4.safetensors"
+    done = subprocess.run([sys.executable, "ch07-deployment/quantize.py", "--scheme", "int4", "--out", str(out),
+                           "--test-mode"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, after = (float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() if "bits per byte" in line)
+    assert abs(after - before) < 0.08, done.stdout
+    shown = subprocess.run([sys.executable, "ch03-architecture/generate.py", str(out), "--prompt", "Call me",
+                            "--temperature", "0", "--max-new-tokens", "5"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith("Call me"), shown.stderr
+
+
+def test_a_row_or_group_of_zeros_stays_zero_with_a_normal_scale():
+    weight = torch.zeros(2, 16)
+    weight[1] = torch.linspace(-1, 1, 16)
+    torch.set_flush_denormal(True)  # where denormals flush to 0, a subnormal scale would be 0 / 0
+    try:
+        for q, scales, back in [(*quantize_int8(weight), dequantize_int8),
+                                (*quantize_int4(weight, 8), dequantize_int4)]:
+            assert (scales >= torch.finfo(torch.float32).tiny).all()
+            assert torch.equal(back(q, scales)[0], torch.zeros(16))
+    finally:
+        torch.set_flush_denormal(False)

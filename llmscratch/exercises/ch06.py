@@ -14,8 +14,8 @@ from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens
 from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, matching_blocks,
                                                   normal_interval, response_logprobs64, simpo_loss64, wilson64)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, fresh_generator, random_bool, random_float, random_int,
-                                           random_seed)
+                                           expect_close, fresh_generator, number_of, random_bool, random_float,
+                                           random_int, random_seed)
 from llmscratch.exercises.fixtures import VOCAB, tiny_gpt
 from llmscratch.preference import PreferenceBatch, collate_pairs, dpo_loss, preference_metrics, sequence_logprobs
 
@@ -25,15 +25,6 @@ NONFINITE_HINT = ("your loss has inf or NaN: -log(sigmoid(x)) underflows to -log
                   "(float32); F.logsigmoid(x) computes the same and stays finite for any margin")
 GATHER_HINT = ("gather cannot take -100 as an index: replace the masked targets by 0 first "
                "(targets.masked_fill(~keep, 0)) and drop their values afterwards")
-
-
-def _number(got, case: str, what: str) -> float:
-    """``got`` as a float (a Python number or a one-element tensor), else a Mismatch."""
-    if isinstance(got, torch.Tensor) and got.numel() == 1:
-        return got.item()
-    if isinstance(got, (int, float)) and not isinstance(got, bool):
-        return float(got)
-    raise Mismatch(case, what, describe(got), f"return {what}")
 
 
 def _pair_batch(lengths: list[tuple[int, int, int]], generator: torch.Generator) -> PreferenceBatch:
@@ -96,7 +87,7 @@ def check_preference_scores(answer) -> int:
                     "rewards", "margin": "the mean of chosen minus rejected rewards",
                     "chosen_log_ratio_per_token": "sum of the chosen rewards / beta / sum of chosen_tokens"}
         for key in SCORES:
-            value = _number(got[key], f"{case}: {key}", "a number (a float or a 0-d tensor)")
+            value = number_of(got[key], f"{case}: {key}", "a number (a float or a 0-d tensor)")
             hint = diagnose(torch.tensor(value, dtype=torch.float64), mistakes.get(key, {}), defaults[key])
             expect_close(value, expected[key], case=f"{case}: {key}", hint=hint, atol=1e-6, rtol=1e-5)
     return len(cases)
@@ -119,7 +110,7 @@ def check_wilson_bounds(answer) -> int:
                                  "check the signs"})
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             raise Mismatch(case, "(low, high)", describe(got), "return the two bounds, low first")
-        bounds = torch.tensor([_number(bound, case, "two numbers (low, high)") for bound in got], dtype=torch.float64)
+        bounds = torch.tensor([number_of(bound, case, "two numbers (low, high)") for bound in got], dtype=torch.float64)
         hint = diagnose(bounds, {
             "that is the normal approximation p +- z sqrt(p (1 - p) / n): at 0 or n successes it is a single point, "
             "and it leaves [0, 1]; Wilson's centre and half-width both have z^2 / n terms":
@@ -303,7 +294,7 @@ def check_rouge_l_f1(answer) -> int:
                            for n in torch.randint(1, 11, (2,), generator=source).tolist()))
     for prediction, reference in cases:
         case = f"rouge_l_f1({prediction!r}, {reference!r})"
-        got = _number(attempt(answer, prediction, reference, case=case, errors={
+        got = number_of(attempt(answer, prediction, reference, case=case, errors={
             "ZeroDivisionError": "a text with no words, or no word in common, scores 0: guard each division"}),
             case, "a number, the F1")
         predicted, wanted = rouge_tokens(prediction), rouge_tokens(reference)

@@ -1,6 +1,6 @@
 """How an exercise is checked: run the reader's answer case by case, stop at the first wrong one, say why.
 
-A chapter's checkers (``llmscratch.exercises.ch01`` ... ``ch06``) register each exercise with
+A chapter's checkers (``llmscratch.exercises.ch01`` ... ``ch07``) register each exercise with
 ``Chapter.exercise``. A checker calls the reader's answer through ``attempt`` and compares with
 ``expect_equal`` / ``expect_close``, smallest case first, so the first ``Mismatch`` raised is the
 smallest failing input. ``Chapter.check`` turns the outcome into a ``Verdict`` and prints it; it
@@ -30,8 +30,8 @@ from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, ForbiddenCall, 
                                             forbidden, package_as_loaded, resolve, shown, time_limited, too_slow)
 
 __all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_path", "attempt", "describe", "diagnose",
-           "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers", "random_bool",
-           "random_float", "random_int", "random_seed"]
+           "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers", "number_of",
+           "random_bool", "random_float", "random_int", "random_seed"]
 
 DIFFICULTIES = ("warm-up", "medium", "hard")
 KINDS = ("write it yourself", "extend the package")
@@ -343,6 +343,15 @@ def describe(value: Any, limit: int = 8) -> str:
         more = ", ..." if flat.numel() > limit else ""
         return f"tensor of shape {tuple(value.shape)} [{head}{more}]"
     return _text(value)
+
+
+def number_of(got: Any, case: str, what: str) -> float:
+    """``got`` as a float (a Python number or a one-element tensor), else a Mismatch saying ``what`` was expected."""
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        return got.item()
+    if isinstance(got, (int, float)) and not isinstance(got, bool):
+        return float(got)
+    raise Mismatch(case, what, describe(got), f"return {what}")
 
 
 def _text(value: Any, limit: int = 200) -> str:
