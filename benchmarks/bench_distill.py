@@ -8,8 +8,9 @@ For each seed, three students of one shape (ch07-deployment/distill.py's default
 of Moby-Dick: distilled from the bundled teacher; from scratch for the same steps (the same initial
 weights and windows, so the loss is the only difference); and from scratch for the distilled run's
 training time, which buys it more steps, since the teacher's forward pass makes each distilled step
-dearer (its schedule is stretched to them). Each student is scored on the held-out tenth (bits per byte)
-and against the teacher (KL, and the share of its drafts that speculative sampling would accept).
+dearer (the ratio of their step times is measured first, round robin; its schedule is stretched to the
+steps). Each student is scored on the held-out tenth (bits per byte) and against the teacher (KL, and the
+share of its drafts that speculative sampling would accept).
 """
 
 import argparse
@@ -24,9 +25,12 @@ from benchmarks.common import add_threads_flag, load_average, machine_descriptio
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
 from llmscratch.atomic import write_json_atomically
 from llmscratch.checkpoint import export_model, model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.distill import DistillConfig, student_config, teacher_agreement, text_splits, train_student
+from llmscratch.distill import (
+    DistillConfig, DistillationTrainer, student_config, teacher_agreement, text_splits, train_student,
+)
 from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.model import GPT
+from llmscratch.profiling import time_steps
 from llmscratch.runfolder import file_problem, folder_problem
 from llmscratch.train import TrainConfig
 
@@ -46,16 +50,27 @@ def train_config(steps: int, seed: int, lr: float, final_eval_tokens: int | None
                        sample_interval=steps, sample_tokens=8, log_interval=steps, seed=seed)
 
 
-def run_seed(seed: int, args, teacher, tokenizer, splits, folder: Path):
-    """{arm: scores} of one seed's three students, and the distilled student."""
-    shape = student_config(teacher.config, **(TEST_SHAPE if args.test_mode else {}))
-    final_eval = 4 * shape.context_length + 1 if args.test_mode else None
-    distill = DistillConfig(args.temperature, args.alpha)
-    results, students = {}, {}
+def step_cost(args, shape, teacher, tokenizer, splits, folder: Path, rounds: int) -> dict[str, float]:
+    """Median seconds of a distilled and of a from-scratch training step, timed round robin (``rounds`` each),
+    so that a busy spell of a shared machine slows both alike."""
+    trainers = {}
+    for name, alpha in (("distilled", args.alpha), ("scratch", 0.0)):
+        config = train_config(rounds + 1, 0, args.lr, None)
+        trainers[name] = DistillationTrainer(GPT(shape), teacher, config, *splits, folder / f"timing-{name}", tokenizer,
+                                             DistillConfig(args.temperature, alpha))
+        trainers[name].model.train()
+    return {name: median for name, (_, median) in time_steps({n: t.train_step for n, t in trainers.items()},
+                                                             rounds).items()}
 
-    def train(arm: str, steps: int, config: DistillConfig) -> None:
+
+def run_seed(seed: int, args, shape, matched_steps: int, teacher, tokenizer, splits, folder: Path):
+    """{arm: scores} of one seed's three students, and the distilled student."""
+    final_eval = 4 * shape.context_length + 1 if args.test_mode else None
+    results, students = {}, {}
+    for arm, steps, alpha in zip(ARMS, (args.steps, args.steps, matched_steps), (args.alpha, 0.0, 0.0)):
         training = train_config(steps, seed, args.lr, final_eval)
-        student, summary = train_student(shape, teacher, tokenizer, *splits, training, config, folder / f"{arm}-{seed}")
+        student, summary = train_student(shape, teacher, tokenizer, *splits, training,
+                                         DistillConfig(args.temperature, alpha), folder / f"{arm}-{seed}")
         agreement = teacher_agreement(student, teacher, splits[1],
                                       max_tokens=agreement_tokens(args, shape.context_length))
         results[arm] = {"steps": steps, "bits_per_byte": summary["val_bits_per_byte"],
@@ -64,11 +79,6 @@ def run_seed(seed: int, args, teacher, tokenizer, splits, folder: Path):
         print(f"seed {seed}, {arm}: {steps} steps, {summary['train_seconds']:.0f} s, held-out "
               f"{summary['val_bits_per_byte']:.4f} bits per byte, drafts accepted {agreement['acceptance']:.1%}",
               file=sys.stderr, flush=True)
-
-    train(ARMS[0], args.steps, distill)
-    train(ARMS[1], args.steps, DistillConfig(args.temperature, alpha=0.0))
-    ratio = results[ARMS[0]]["train_seconds"] / results[ARMS[1]]["train_seconds"]
-    train(ARMS[2], max(1, round(args.steps * ratio)), DistillConfig(args.temperature, alpha=0.0))
     return results, students[ARMS[0]]
 
 
@@ -87,7 +97,8 @@ def comparison(distilled: list[float], scratch: list[float]) -> dict:
             "exceeds": difference > widest, "ranges_apart": max(distilled) < min(scratch)}
 
 
-def markdown(args, results: list[dict], teacher, teacher_bits: float, shape, load_before: str) -> str:
+def markdown(args, results: list[dict], teacher, teacher_bits: float, shape, load_before: str,
+             cost: dict[str, float]) -> str:
     """The section for RESULTS.md: the setting, a row per arm (each seed, mean, std, min-max), the comparisons."""
     student = shape.n_layers, shape.d_model, shape.n_heads, shape.kv_heads, shape.hidden_dim
     with torch.device("meta"):  # the student's size, counted without making its weights
@@ -104,7 +115,11 @@ def markdown(args, results: list[dict], teacher, teacher_bits: float, shape, loa
         f"d_ff {student[4]}, the teacher's vocabulary and context: {params:,} parameters, "
         f"{teacher.flops_per_token(training=False) / flops:.1f}x fewer FLOPs per token. Every run: batch 8 x "
         f"{shape.context_length} tokens, AdamW at lr {args.lr:g} with a tenth of the steps as warmup, cosine to "
-        f"lr / 10. Distilled at T = {args.temperature:g}, alpha = {args.alpha:g}. KL (nats per token) and drafts "
+        f"lr / 10. Distilled at T = {args.temperature:g}, alpha = {args.alpha:g}. One training step takes "
+        f"{cost['distilled']:.3f} s distilled (the teacher's forward pass included) and {cost['scratch']:.3f} s from "
+        f"scratch ({cost['distilled'] / cost['scratch']:.2f}x; medians of steps timed round robin, so that the "
+        f"machine's load weighs on both alike): the same-time students take that many times the steps, each on "
+        f"a schedule of its own length. KL (nats per token) and drafts "
         f"accepted (the mean of sum min(p, q)) are measured against the teacher at temperature 1 on the first "
         f"{agreement_tokens(args, shape.context_length) // shape.context_length} held-out windows.\n",
         f"| student | steps | held-out bits per byte, seed {' / '.join(map(str, range(args.seeds)))} | mean | std "
@@ -183,8 +198,13 @@ def main(argv=None) -> None:
                             max_tokens=teacher.config.context_length + 1 if args.test_mode else None)["bits_per_byte"]
     results = []
     with tempfile.TemporaryDirectory() as folder:
+        cost = step_cost(args, shape, teacher, tokenizer, splits, Path(folder), rounds=2 if args.test_mode else 8)
+        matched_steps = max(1, round(args.steps * cost["distilled"] / cost["scratch"]))
+        print(f"one step: distilled {cost['distilled']:.3f} s, from scratch {cost['scratch']:.3f} s (medians, round "
+              f"robin): {matched_steps} steps from scratch take the time of {args.steps} distilled", file=sys.stderr)
         for seed in range(args.seeds):
-            seed_results, distilled = run_seed(seed, args, teacher, tokenizer, splits, Path(folder))
+            seed_results, distilled = run_seed(seed, args, shape, matched_steps, teacher, tokenizer, splits,
+                                               Path(folder))
             results.append(seed_results)
             if seed == 0 and args.save_student is not None:
                 args.save_student.mkdir(parents=True, exist_ok=True)
@@ -192,8 +212,8 @@ def main(argv=None) -> None:
     if args.json is not None:
         write_json_atomically(args.json, {"teacher_bits_per_byte": teacher_bits, "student": shape.to_dict(),
                                           "temperature": args.temperature, "alpha": args.alpha, "lr": args.lr,
-                                          "runs": results})
-    print(markdown(args, results, teacher, teacher_bits, shape, load_before))
+                                          "step_seconds": cost, "runs": results})
+    print(markdown(args, results, teacher, teacher_bits, shape, load_before, cost))
 
 
 if __name__ == "__main__":

@@ -391,7 +391,8 @@ def test_benchmark_section_says_which_way_the_difference_goes(teacher):
 
     results = [{"distilled": run(2.30), "scratch, same steps": run(2.50), "scratch, same time": run(2.00, 30)},
                {"distilled": run(2.32), "scratch, same steps": run(2.52), "scratch, same time": run(2.01, 31)}]
-    section = markdown(args, results, teacher, 1.967, student_config(teacher.config), "0.00, 0.00, 0.00")
+    cost = {"distilled": 0.9, "scratch": 0.3}
+    section = markdown(args, results, teacher, 1.967, student_config(teacher.config), "0.00, 0.00, 0.00", cost)
     assert "| distilled | 10 | 2.3000 / 2.3200 | 2.3100 | 0.0141 | 2.3000-2.3200 |" in section
     assert "| scratch, same time | 30 / 31 |" in section
     assert ("same steps: the distilled students score 0.2000 bits per byte lower (better) on average (from scratch "
@@ -400,4 +401,6 @@ def test_benchmark_section_says_which_way_the_difference_goes(teacher):
     assert "same time: the distilled students score 0.3050 bits per byte higher (worse)" in section
     assert "0.0200: the students from scratch are better by more than it." in section
     results[1]["scratch, same time"] = run(2.40, 31)  # now the spread, 0.40, is wider than the difference, 0.11
-    assert "the difference is within it." in markdown(args, results, teacher, 1.967, student_config(teacher.config), "")
+    assert "and 0.300 s from scratch (3.00x;" in section
+    assert "the difference is within it." in markdown(args, results, teacher, 1.967, student_config(teacher.config), "",
+                                                      cost)
