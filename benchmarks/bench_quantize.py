@@ -2,7 +2,10 @@
 
     python -m benchmarks.bench_quantize                 # from the repository root; prints a Markdown section
     python -m benchmarks.bench_quantize --quick         # a quarter of the held-out text, fewer tokens and rounds
-    python -m benchmarks.bench_quantize --no-torchao    # without the peer (torchao is a test-only dependency)
+    python -m benchmarks.bench_quantize --no-torchao    # without the peer
+
+The peer needs `pip install torchao==0.18.0`, not in requirements.txt: once installed, transformers imports it and
+its failed CUDA-library loads print to stderr in every notebook that imports transformers (nbval fails on that).
 
 Quality: bits per byte of the bundled model on the held-out tenth of Moby-Dick, in float32 and with
 its linear layers quantized (int8 per row; int4 per group, the head int8). Speed: greedy decoding of
