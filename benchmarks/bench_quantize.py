@@ -10,7 +10,8 @@ its failed CUDA-library loads print to stderr in every notebook that imports tra
 Quality: bits per byte of the bundled model on the held-out tenth of Moby-Dick, in float32 and with
 its linear layers quantized (int8 per row; int4 per group, the head int8). Speed: greedy decoding of
 the gpt2-small shape (random weights, batch 1, 32-token prompt), each model through
-``generate(compile=True)``, in interleaved rounds, median tokens/s: float32, our int8 and int4, and
+``generate(compile=True)`` (ours multiply by the stored integers in the C kernel of
+``llmscratch/kernels/word_product.c``), in interleaved rounds, median tokens/s: float32, our int8 and int4, and
 torchao's int8 weight-only model (``quantize_(model, Int8WeightOnlyConfig())``) through the same
 compiled step as gpt-fast compiles it (its own linear kernels, not ours). Then the one-row products
 alone: x (1, 768) times a gpt2-small MLP weight (3072, 768) by each way there is to compute it.
@@ -34,7 +35,8 @@ from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.generate import generate
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.profiling import round_robin, time_once
-from llmscratch.quantize import QuantizedLinear, dequantize_int8, quantize, quantize_int8, to_word_order, word_product
+from llmscratch.quantize import (QuantizedLinear, dequantize_int8, native_word_product, quantize, quantize_int8,
+                                 to_word_order, word_product)
 from llmscratch.report import held_out_moby_dick
 
 SCHEMES = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
@@ -121,19 +123,31 @@ def products(rounds: int) -> dict[str, float]:
     fp32_sum = torch.compile(lambda x, w: (x[:, None, :] * w).sum(-1), dynamic=False)
     words8 = torch.compile(lambda x: word_product(x, layer.qweight, layer.scales, "int8"), dynamic=False)
     words4 = torch.compile(lambda x: word_product(x, int4.qweight, int4.scales, "int4"), dynamic=False)
+    if not (layer.native and int4.native):
+        raise SystemExit("the C kernel of llmscratch/kernels/word_product.c could not be built here (see the warning)")
+
+    def native8(x):
+        return native_word_product(x, layer.qweight, layer.scales, "int8", 0)
+
+    def native4(x):
+        return native_word_product(x, int4.qweight, int4.scales, "int4", 64)
+
     ways = {"float32 F.linear": lambda: F.linear(x, weight),
             "float32 multiply-and-sum, compiled (the float32 decoding step's)": lambda: fp32_sum(x, weight),
             "int8: dequantize, then F.linear": lambda: F.linear(x, dequantize_int8(q, scales)),
             "int8: torch._weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, q, scales),
             "int8: multiply-and-sum of the int8 matrix, compiled": lambda: multiply_sum(x, q, scales),
-            "int8: word product, compiled (ours)": lambda: words8(x),
-            "int4, group 64: word product, compiled (ours)": lambda: words4(x)}
+            "int8: word product in PyTorch, compiled": lambda: words8(x),
+            "int8: word product, C kernel (ours; what the layer runs)": lambda: native8(x),
+            "int4, group 64: word product in PyTorch, compiled": lambda: words4(x),
+            "int4, group 64: word product, C kernel (ours; what the layer runs)": lambda: native4(x)}
     expected = F.linear(x, dequantize_int8(q, scales))
     for name, way in ways.items():  # the int8 ways give the same product; each warm (compiled) before timing
         result = way()
         if name.startswith("int8"):
             torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-3, msg=name)
-    torch.testing.assert_close(words4(x), F.linear(x, int4.weight), rtol=1e-4, atol=1e-3)
+    for way in (words4, native4):
+        torch.testing.assert_close(way(x), F.linear(x, int4.weight), rtol=1e-4, atol=1e-3)
     per_round = round_robin({name: lambda way=way: median([time_once(way) for _ in range(50)])
                              for name, way in ways.items()}, rounds)
     return {name: 1e6 * median(times) for name, times in per_round.items()}

@@ -3,9 +3,13 @@
     python ch06-alignment/evaluate.py                                  # the bundled base model
     python ch06-alignment/evaluate.py --model base --model instructions --model dpo --model classifier
     python ch06-alignment/evaluate.py --model runs/pretrain --model mine=path/to/model.safetensors
+    python ch06-alignment/evaluate.py --model instructions \
+        --model instructions-int4=runs/quantized/instructions-int4.safetensors
 
 Each --model is a name (base, instructions, dpo, classifier: the default place of each), a run
-folder or a model file, optionally as LABEL=PATH to name its column. Language models get bits
+folder or a model file (a quantized one of ch07-deployment/quantize.py too), optionally as
+LABEL=PATH to name its column. The first row says how each model's weights are held as it is
+scored (float32, int8, int4 and its group size) and their megabytes. Language models get bits
 per byte on the held-out tenth of Moby-Dick, exact match per instruction family, the share of
 well-formed answers and the ROUGE-L of the answers on the instruction test split, and accuracy
 on the instruction multiple-choice set and the Moby-Dick cloze (llmscratch.report). A spam

@@ -8,24 +8,35 @@ either scheme (it is the largest matrix of a small model, and the one whose erro
 
 Decoding one token reads every weight once, so its speed is the bytes it reads. Dequantizing a
 whole matrix to multiply it would read the int8 bytes and write and read the float32 ones, slower
-than not quantizing at all. The compiled decoding step instead multiplies by the integers where
-they lie: ``word_product`` reads the stored bytes as 32-bit words and takes each value out of its
-word with shifts, so inductor makes the product one vectorised loop over the weight rows. For that,
-a layer stores its values in *word order* (``to_word_order``): within each block of eight words,
-value n of word i is column ``n * 8 + i`` of the block, so the activations each value meets are
-contiguous too.
+than not quantizing at all. Instead a product of a few rows multiplies by the integers where they
+lie: it reads the stored bytes as 32-bit words and takes each value out of its word with shifts.
+For that, a layer stores its values in *word order* (``to_word_order``): within each block of eight
+words, value n of word i is column ``n * 8 + i`` of the block, so the activations each value meets
+are contiguous too. ``word_product`` writes the product in PyTorch, to read; the layers run the same
+loop in C (``kernels/word_product.c``, built on first use by ``llmscratch.native``), eagerly and
+inside ``torch.compile`` alike, as the custom operator ``llmscratch::word_product``.
 """
 import copy
+import ctypes
+import functools
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmscratch import native
+
 SCHEMES = {"int8": 127, "int4": 7}  # the largest |q| of each: a row's (or group's) largest |w| maps to it
 VALUES_PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the stored layout
 WORDS = 8  # words per block of the word order: one 256-bit vector register of int32
 HEAD_SCHEME = "int8"
+# Up to this many rows the kernel multiplies by the stored integers; for more, one dequantized matrix
+# and a matrix product (which reuses each weight across the rows) is faster.
+KERNEL_ROWS = 8
+# For more rows, the C kernel dequantizes this many weight rows at a time into a buffer the allocator
+# reuses: a whole fresh float32 matrix would cost more in first-touch page faults than in arithmetic.
+CHUNK_ROWS = 256
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,9 +138,9 @@ def word_order_fits(scheme: str, in_features: int, group_size: int | None) -> bo
 def word_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor, scheme: str) -> torch.Tensor:
     """x (..., in) times the weight that word-ordered ``stored`` and ``scales`` stand for: (..., out).
 
-    The same as ``F.linear(x, dequantized weight)``, written as integer shifts, a multiply and a sum,
-    for ``torch.compile`` to fuse into one loop that reads each stored byte once. Run eagerly it
-    would build weight-sized temporaries: use it only where a compiler traces it.
+    The same as ``F.linear(x, dequantized weight)``, written as integer shifts, a multiply and a sum:
+    the loop of ``kernels/word_product.c``, in PyTorch, to read and to test the kernel against. Run
+    eagerly it builds weight-sized temporaries; the layers call the kernel (``native_word_product``).
     """
     per_word = VALUES_PER_WORD[scheme]
     out_features, in_features = stored.size(0), stored.size(1) * (2 if scheme == "int4" else 1)
@@ -157,12 +168,105 @@ def _run_scales(scales: torch.Tensor, n: int, n_blocks: int) -> torch.Tensor:
     return scales.view(out_features, n_blocks, per_block)[:, :, n * WORDS * per_block // block]
 
 
+@functools.cache
+def _kernels() -> ctypes.CDLL | None:
+    """The compiled word products (with their argument types set), or None where they cannot be built."""
+    library = native.load("word_product")
+    if library is not None:
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        # x, stored words, scales, out; rows, out_features, in_features, [group_size,] threads
+        library.int8_word_product.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
+        library.int4_word_product.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
+        # stored words, scales, out; out_features, in_features, [group_size,] threads
+        library.int8_dequantize.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_int]
+        library.int4_dequantize.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
+    return library
+
+
+def _check_operands(stored: torch.Tensor, scales: torch.Tensor, scheme: str, group_size: int) -> tuple[int, int]:
+    """(out_features, in_features) of a word-ordered layer; ValueError where C would read out of bounds."""
+    per_byte = 2 if scheme == "int4" else 1
+    out_features, in_features = stored.size(0), stored.size(1) * per_byte
+    expected_scales = (out_features,) if scheme == "int8" else (out_features, in_features // max(group_size, 1))
+    if (scheme not in SCHEMES or (scheme == "int4" and group_size <= 0) or stored.dtype != (torch.uint8 if scheme == "int4" else torch.int8)
+            or not word_order_fits(scheme, in_features, group_size) or tuple(scales.shape) != expected_scales):
+        raise ValueError(f"not a word-ordered {scheme} layer: stored {stored.dtype} {tuple(stored.shape)}, scales "
+                         f"{tuple(scales.shape)}, group_size {group_size} (expected scales {expected_scales})")
+    return out_features, in_features
+
+
+# The kernels as PyTorch operators, so that torch.compile calls them as they are (it cannot see into C).
+# Registered with the low-level API: a call costs a few microseconds less than through custom_op.
+_OPERATORS = torch.library.Library("llmscratch", "DEF")
+_OPERATORS.define("word_product(Tensor x, Tensor stored, Tensor scales, str scheme, int group_size) -> Tensor")
+_OPERATORS.define("dequantize(Tensor stored, Tensor scales, str scheme, int group_size) -> Tensor")
+
+
+def native_word_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor, scheme: str,
+                        group_size: int) -> torch.Tensor:
+    """``word_product`` by the C kernel, on a CPU: x (..., in) times a word-ordered layer; (..., out).
+
+    The operator ``llmscratch::word_product``. group_size: int4's (any value for int8). Threads:
+    ``torch.get_num_threads()``, each taking a share of the output rows.
+    """
+    library = _kernels()
+    out_features, in_features = _check_operands(stored, scales, scheme, group_size)
+    if x.size(-1) != in_features:
+        raise ValueError(f"x has {x.size(-1)} features; the layer takes {in_features}")
+    rows = x.reshape(-1, in_features).float().contiguous()  # (rows, in)
+    stored, scales = stored.contiguous(), scales.float().contiguous()  # held here while C reads them
+    out = torch.empty(rows.size(0), out_features)  # (rows, out)
+    pointers = [t.data_ptr() for t in (rows, stored, scales, out)]
+    if scheme == "int8":
+        library.int8_word_product(*pointers, rows.size(0), out_features, in_features, torch.get_num_threads())
+    else:
+        library.int4_word_product(*pointers, rows.size(0), out_features, in_features, group_size,
+                                  torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
+
+
+_OPERATORS.impl("word_product", native_word_product, "CPU")
+
+
+@torch.library.register_fake("llmscratch::word_product")
+def _(x, stored, scales, scheme, group_size):
+    return x.new_empty(*x.shape[:-1], stored.size(0))
+
+
+def native_dequantize(stored: torch.Tensor, scales: torch.Tensor, scheme: str, group_size: int) -> torch.Tensor:
+    """The float32 weight (out, in), natural column order, of a word-ordered layer, by the C kernel.
+
+    The operator ``llmscratch::dequantize``.
+    """
+    library = _kernels()
+    out_features, in_features = _check_operands(stored, scales, scheme, group_size)
+    stored, scales = stored.contiguous(), scales.float().contiguous()  # held here while C reads them
+    out = torch.empty(out_features, in_features)
+    pointers = [t.data_ptr() for t in (stored, scales, out)]
+    if scheme == "int8":
+        library.int8_dequantize(*pointers, out_features, in_features, torch.get_num_threads())
+    else:
+        library.int4_dequantize(*pointers, out_features, in_features, group_size, torch.get_num_threads())
+    return out
+
+
+_OPERATORS.impl("dequantize", native_dequantize, "CPU")
+
+
+@torch.library.register_fake("llmscratch::dequantize")
+def _(stored, scales, scheme, group_size):
+    return stored.new_empty(stored.size(0), stored.size(1) * (2 if scheme == "int4" else 1), dtype=torch.float32)
+
+
 # --------------------------------------------------------------------------- the layer and the model
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is stored as int8 or packed int4 with float scales (no gradients).
 
     ``qweight`` holds the values in word order where the shape allows (``word_order_fits``), else
-    in their natural order; ``weight`` is the dequantized float32 matrix either way.
+    in their natural order; ``weight`` is the dequantized float32 matrix either way. On a CPU with the
+    C kernel built (``native``), a product of up to ``KERNEL_ROWS`` rows multiplies by the stored
+    integers and one of more rows dequantizes ``CHUNK_ROWS`` weight rows at a time; elsewhere, inside
+    a compiled graph of many rows, and for an input that needs a gradient, it multiplies by ``weight``.
     """
 
     def __init__(self, linear: nn.Linear, scheme: str, group_size: int = 64):
@@ -172,6 +276,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         self.group_size = group_size if scheme == "int4" else None
         self.word_order = word_order_fits(scheme, self.in_features, self.group_size)
+        self.native = self.word_order and _kernels() is not None  # the C kernel serves products of few rows
         q, scales = quantize_int8(linear.weight) if scheme == "int8" else _int4_values(linear.weight, group_size)
         if self.word_order:
             q = to_word_order(q, VALUES_PER_WORD[scheme])
@@ -188,6 +293,8 @@ class QuantizedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized float32 weight (out, in): what the layer multiplies by."""
+        if self.native and self.qweight.device.type == "cpu":
+            return torch.ops.llmscratch.dequantize(self.qweight, self.scales, self.scheme, self.group_size or 0)
         q = self.values().float()
         if self.scheme == "int8":
             return q * self.scales[:, None]
@@ -195,11 +302,25 @@ class QuantizedLinear(nn.Module):
         return groups.reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.word_order and x.device.type == "cpu" and x.numel() == x.size(-1) and torch.compiler.is_compiling():
-            out = word_product(x, self.qweight, self.scales, self.scheme)  # one row, traced: the fused loop
-            return out if self.bias is None else out + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        few_rows = x.numel() <= KERNEL_ROWS * x.size(-1)
+        native = self.native and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+        if native and few_rows:
+            out = torch.ops.llmscratch.word_product(x, self.qweight, self.scales, self.scheme, self.group_size or 0)
+            return out if bias is None else out + bias
+        if native and not torch.compiler.is_compiling():
+            return self._product_by_chunks(x, bias)
+        return F.linear(x, self.weight.to(x.dtype), bias)  # another device, gradients for x, or traced
+
+    def _product_by_chunks(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, self.weight, bias), dequantizing ``CHUNK_ROWS`` weight rows at a time."""
+        out = x.new_empty(*x.shape[:-1], self.out_features)  # (..., out)
+        for start in range(0, self.out_features, CHUNK_ROWS):
+            rows = slice(start, start + CHUNK_ROWS)
+            weight = torch.ops.llmscratch.dequantize(self.qweight[rows], self.scales[rows], self.scheme,
+                                                     self.group_size or 0)
+            out[..., rows] = F.linear(x, weight.to(x.dtype), None if bias is None else bias[rows])
+        return out
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""

@@ -7,7 +7,8 @@ the instruction test split, and accuracy on two multiple-choice sets (instructio
 the Moby-Dick cloze: which sentence comes next). A score is {"value", "interval", "n"}; a
 benchmark that does not apply to a model (spam for a language model, text for a classifier) is
 None, shown as "-". Accuracies carry a 95% Wilson interval. ``score_model`` scores one model
-file on ``load_benchmarks``'s data; ``write_report`` writes the results down.
+file on ``load_benchmarks``'s data, and says how its weights are held (``weights_summary``: float32,
+or int8 / int4 from llmscratch.quantize, and their megabytes); ``write_report`` writes the results down.
 """
 
 import contextlib
@@ -47,6 +48,7 @@ ROWS = [("bits_per_byte", "Moby-Dick bits per byte (held-out tenth; lower is bet
         ("choices_accuracy_norm", "instruction multiple choice, per character"),
         ("cloze_accuracy", "Moby-Dick cloze"), ("cloze_accuracy_norm", "Moby-Dick cloze, per character"),
         ("cloze_accuracy_context_gain", "Moby-Dick cloze, by the context's gain (PMI)")]
+WEIGHTS_ROW = "weights as scored (format; megabytes)"  # the first row, from ``weights_summary``
 CHART_LABELS = {"spam_accuracy": "spam\naccuracy", "spam_f1": "spam\nF1", "exact_match": "instruction\nexact match",
                 "rouge_l": "instruction\nROUGE-L", "choices_accuracy": "instruction\nmultiple choice",
                 "cloze_accuracy": "Moby-Dick\ncloze"}
@@ -217,18 +219,34 @@ def spam_test_split(path: Path, limit: int | None) -> list[tuple[str, int]]:
     return spam_splits(seed=seed)["test"][:limit]
 
 
+def weights_summary(model: nn.Module) -> dict:
+    """{"format", "megabytes"} of a model as it is scored: its quantization (``llmscratch.quantize``) or its
+    parameters' dtype, and the bytes of its state (a tensor under two names, a tied head, counted once)."""
+    settings = getattr(model, "quantization", None)
+    if settings is None:
+        form = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}))
+    else:  # the head is int8 under either scheme, unless it was kept in floating point
+        form = settings["scheme"] + (f", group {settings['group_size']}" if settings["group_size"] else "")
+        if settings["scheme"] != "int8" or not settings["head"]:
+            form += ", int8 head" if settings["head"] else ", float head"
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    return {"format": form, "megabytes": sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6}
+
+
 def score_model(path: Path, benchmarks: Benchmarks, device: torch.device, limit: int | None = None,
                 progress: bool = False) -> dict:
-    """{"source", "kind", "scores", "seconds"} of the model in ``path``: a language model on ``benchmarks``, or a
-    spam classifier (a classifier.pt) on the first ``limit`` messages of its test split."""
+    """{"source", "kind", "weights", "scores", "seconds"} of the model in ``path``: a language model on
+    ``benchmarks``, or a spam classifier (a classifier.pt) on the first ``limit`` messages of its test split."""
     start = time.perf_counter()
     if path.suffix == ".pt" and "labels" in load_checkpoint(path):  # a classifier: spam only
         classifier = Classifier.load(path, device)
-        kind, scores = "spam classifier", classifier_scores(classifier, spam_test_split(path, limit))
+        model, kind = classifier.model, "spam classifier"
+        scores = classifier_scores(classifier, spam_test_split(path, limit))
     else:
         model, tokenizer = load_model_and_tokenizer(path, map_location=device)
         kind, scores = "language model", language_model_scores(model, tokenizer, benchmarks, device, progress)
-    return {"source": str(path), "kind": kind, "scores": scores, "seconds": time.perf_counter() - start}
+    return {"source": str(path), "kind": kind, "weights": weights_summary(model), "scores": scores,
+            "seconds": time.perf_counter() - start}
 
 
 # --------------------------------------------------------------------------- writing it down
@@ -257,10 +275,19 @@ def format_score(key: str, score: dict | None) -> str:
     return f"{score['value']:.1%} [{low:.1%}, {high:.1%}]"
 
 
+def format_weights(weights: dict | None) -> str:
+    """A table cell of ``weights_summary``: "int4, group 64, int8 head; 7.9 MB", or "-"."""
+    return "-" if weights is None else f"{weights['format']}; {weights['megabytes']:.1f} MB"
+
+
 def markdown_table(results: dict[str, dict]) -> str:
-    """One column per model, one row per metric; results maps a model's name to {"scores": {...}, ...}."""
+    """One column per model, one row per metric; results maps a model's name to {"scores": {...}, ...}, and
+    optionally "weights" (``weights_summary``: then a first row says how each model's weights are held)."""
     names = list(results)
     lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    if any("weights" in results[n] for n in names):
+        lines.append(f"| {WEIGHTS_ROW} | " + " | ".join(format_weights(results[n].get("weights")) for n in names)
+                     + " |")
     for key, label in row_keys(results):
         lines.append(f"| {label} | " + " | ".join(format_score(key, results[n]["scores"].get(key)) for n in names)
                      + " |")

@@ -12,8 +12,9 @@ from torch import nn
 from llmscratch.checkpoint import CHECKSUM_KEY, export_model, model_from_checkpoint, read_safetensors, write_safetensors
 from llmscratch.generate import generate
 from llmscratch.model import GPT, GPTConfig
-from llmscratch.quantize import (SCHEMES, QuantizedLinear, dequantize_int4, dequantize_int8, from_word_order, quantize,
-                                 quantize_int4, quantize_int8, to_word_order, word_product)
+from llmscratch.quantize import (CHUNK_ROWS, KERNEL_ROWS, SCHEMES, QuantizedLinear, dequantize_int4, dequantize_int8,
+                                 from_word_order, native_dequantize, native_word_product, quantize, quantize_int4,
+                                 quantize_int8, to_word_order, word_product)
 from tests.model_fixtures import randomize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,6 +194,120 @@ def test_compiled_decoding_of_a_quantized_gpt_gives_the_eager_tokens(scheme):
     idx = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         assert torch.equal(generate(quantized, idx, 10, compile=True), generate(quantized, idx, 10))
+
+
+# --------------------------------------------------------------------------- the C kernels
+def test_the_c_kernels_are_built_here():
+    # Every machine that runs these tests has a C compiler (torch.compile needs one on a CPU); a silent
+    # fall back to PyTorch would leave the kernel tests below testing nothing.
+    assert QuantizedLinear(nn.Linear(64, 8), "int8").native
+
+
+KERNEL_CASES = [("int8", None, 32, 1), ("int8", None, 96, 3), ("int4", 8, 64, 8), ("int4", 16, 192, 2),
+                ("int4", 32, 128, 1), ("int4", 64, 320, 5), ("int4", 128, 384, 1), ("int4", 192, 384, 4)]
+
+
+@pytest.mark.parametrize("scheme, group_size, in_features, rows", KERNEL_CASES)
+def test_the_c_word_product_is_the_float64_product_with_the_dequantized_weight(scheme, group_size, in_features, rows):
+    generator = torch.Generator().manual_seed(in_features + rows)
+    out_features = 37  # odd: rows shared unevenly among threads
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+    layer = QuantizedLinear(linear, scheme, group_size or 64)
+    _, expected_weight = reference(linear.weight.detach(), SCHEMES[scheme], group_size or in_features)
+    x = torch.randn(rows, 2 * in_features, generator=generator)[:, ::2]  # not contiguous
+    expected = float64_product(x, layer, expected_weight)
+    got = native_word_product(x, layer.qweight, layer.scales, scheme, group_size or 0)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # the same through the layer (the operator), the PyTorch reading of it, and a bfloat16 input
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(word_product(x, layer.qweight, layer.scales, scheme).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+    bf16 = native_word_product(x.bfloat16(), layer.qweight, layer.scales, scheme, group_size or 0)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.double(), float64_product(x.bfloat16().float(), layer, expected_weight),
+                               rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scheme, group_size, in_features, rows", KERNEL_CASES)
+def test_the_c_dequantized_weight_is_the_pytorch_one_exactly(scheme, group_size, in_features, rows):
+    layer = QuantizedLinear(nn.Linear(in_features, 19), scheme, group_size or 64)
+    q = layer.values().float()
+    groups = q.reshape(19, -1, group_size or in_features) * layer.scales.reshape(19, -1, 1)
+    assert torch.equal(native_dequantize(layer.qweight, layer.scales, scheme, group_size or 0), groups.reshape(19, -1))
+
+
+def test_threads_share_the_rows_without_changing_a_bit(one_torch_thread):
+    layer = QuantizedLinear(nn.Linear(256, 301), "int4", 32)
+    x = torch.randn(2, 256)
+    alone = native_word_product(x, layer.qweight, layer.scales, "int4", 32)
+    torch.set_num_threads(2)
+    assert torch.equal(native_word_product(x, layer.qweight, layer.scales, "int4", 32), alone)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_many_rows_go_through_the_weight_in_chunks_and_gradients_reach_x(scheme):
+    out_features = 2 * CHUNK_ROWS + 45  # a last chunk that is not full
+    layer = QuantizedLinear(nn.Linear(128, out_features), scheme, 32)
+    x = torch.randn(KERNEL_ROWS + 1, 128, requires_grad=True)
+    expected = nn.functional.linear(x.detach().double(), layer.weight.double(), layer.bias.double())
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    layer(x[:2]).sum().backward()  # few rows, but x needs a gradient: the float path
+    torch.testing.assert_close(x.grad[:2].double(), layer.weight.double().sum(0).expand(2, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_operands_the_kernel_would_read_past_are_refused():
+    layer = QuantizedLinear(nn.Linear(128, 8), "int4", 32)
+    with pytest.raises(ValueError, match="x has 127 features; the layer takes 128"):
+        native_word_product(torch.randn(1, 127), layer.qweight, layer.scales, "int4", 32)
+    with pytest.raises(ValueError, match=r"not a word-ordered int4 layer.*group_size 64"):
+        native_word_product(torch.randn(1, 128), layer.qweight, layer.scales, "int4", 64)
+    with pytest.raises(ValueError, match="not a word-ordered int8 layer"):
+        native_dequantize(layer.qweight, layer.scales, "int8", 0)
+
+
+KERNEL_FALLBACK = """
+import warnings, torch
+from torch import nn
+from llmscratch.quantize import QuantizedLinear
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    layer = QuantizedLinear(nn.Linear(64, 8), "int8")
+x = torch.randn(1, 64)
+with torch.no_grad():
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+print(layer.native)
+print(" ".join(str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.parametrize("environment, warning", [({"LLMSCRATCH_NO_NATIVE": "1"}, ""),
+                                                  ({"CC": "false", "PATH": ""}, "no C compiler found")])
+def test_without_a_compiler_the_layers_run_in_pytorch_and_say_so(tmp_path, environment, warning):
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), **environment}
+    done = subprocess.run([sys.executable, "-c", KERNEL_FALLBACK], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    native, _, messages = done.stdout.partition("\n")
+    assert native == "False" and warning in messages
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_failing_compiler_is_reported_with_its_message(tmp_path):
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'cc: fatal error: no such thing' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), "CC": str(fake)}
+    done = subprocess.run([sys.executable, "-c", KERNEL_FALLBACK], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    native, _, messages = done.stdout.partition("\n")
+    assert native == "False" and "could not build the C kernel" in messages and "no such thing" in messages
 
 
 # --------------------------------------------------------------------------- saved and loaded

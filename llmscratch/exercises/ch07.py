@@ -26,9 +26,9 @@ from llmscratch.speculative import acceptance_probability, expected_tokens_per_r
 
 CHAPTER = Chapter("ch07", "Deployment: quantization, pruning, distillation and speculative decoding")
 # the sections of deployment.ipynb the exercises follow
-QUANTIZATION, GROUPS = "1.1 int8: one scale per row", "1.2 int4: groups, two values a byte"
-PRUNING, DISTILLATION = "2.1 Magnitude pruning", "3. Distillation: the teacher's whole distribution"
-COST, RULE = "4.1 The cost model", "4.2 The accept/reject rule"
+QUANTIZATION, OUTLIERS = "1.2 int8: one scale per row", "1.3 Outliers: why one scale per row"
+GROUPS, PRUNING = "1.4 int4: groups, two values a byte", "2.1 Magnitude pruning"
+DISTILLATION, RULE, COST = "3.1 The distillation loss", "4.2 The accept/reject rule", "4.3 The cost model"
 
 
 def _shown(tensor: torch.Tensor) -> str:
@@ -522,7 +522,7 @@ def _w8a8_case(batch: tuple, out_features: int, in_features: int, generator: tor
 
 
 @CHAPTER.exercise("w8a8_linear", title="int8 activations times int8 weights, summed in integers", difficulty="hard",
-                  section=QUANTIZATION, kind="extend the package")
+                  section=OUTLIERS, kind="extend the package")
 def check_w8a8_linear(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(9), fresh_generator()
     first_q, first_scales = quantize_int8(torch.tensor([[0.6, -1.0], [0.25, 0.75]]))

@@ -1,0 +1,82 @@
+"""The package's C kernels: built once with the machine's C compiler, loaded with ctypes.
+
+The source files live in ``llmscratch/kernels/``. The first use compiles one into a shared library
+under ``~/.cache/llmscratch/kernels/`` (or ``$XDG_CACHE_HOME``), named by a hash of the source, the
+compiler, its flags and the CPU, so an edit, another compiler or another machine builds afresh; later
+processes load the file. It is built for the CPU it runs on (``-march=native``) with OpenMP where the
+compiler has it. Where no compiler works, or ``LLMSCRATCH_NO_NATIVE=1`` is set, ``load`` returns None
+(with one warning saying why) and the callers use their PyTorch paths.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+from llmscratch.atomic import write_atomically
+
+SOURCES = Path(__file__).parent / "kernels"
+# The flags tried in turn: OpenMP for threads, then without it (Apple's clang has none).
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+COMPILE_SECONDS = 120
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "llmscratch" / "kernels"
+
+
+def _cpu_description() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's model and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith(("model name", "flags", "Features"))][:3]
+    except OSError:
+        pass
+    return platform.machine() + platform.processor() + "".join(lines)
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The shared library built from ``kernels/<name>.c``, or None (warned once) where it cannot be built."""
+    if os.environ.get("LLMSCRATCH_NO_NATIVE") == "1":
+        return None
+    source = SOURCES / f"{name}.c"
+    compiler = _compiler()
+    if compiler is None:
+        warnings.warn(f"no C compiler found (tried $CC, cc, gcc, clang): {name} runs in PyTorch instead", stacklevel=2)
+        return None
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256("|".join([source.read_text(), compiler, " ".join(flags), _cpu_description()]).encode())
+        library = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+        if not library.exists():
+            try:
+                write_atomically(library, lambda tmp: _compile(compiler, flags, source, tmp))
+            except (OSError, subprocess.SubprocessError) as err:
+                errors.append(f"{compiler} {' '.join(flags)}: {err}")
+                continue
+        try:
+            return ctypes.CDLL(str(library))
+        except OSError as err:
+            errors.append(f"loading {library}: {err}")
+    warnings.warn(f"could not build the C kernel {source} ({'; '.join(errors)[-1500:]}): it runs in PyTorch "
+                  f"instead", stacklevel=2)
+    return None
+
+
+def _compile(compiler: str, flags: list[str], source: Path, out: str) -> None:
+    done = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(source), "-o", out],
+                          capture_output=True, text=True, timeout=COMPILE_SECONDS)
+    if done.returncode:
+        raise subprocess.SubprocessError(done.stderr.strip()[-1000:] or f"exit status {done.returncode}")
