@@ -54,20 +54,21 @@ void int8_word_product(const float *x, const int32_t *w, const float *scales, fl
 }
 
 /* int4: block of 64 columns = 8 words; nibble n of word i is column n * 8 + i, stored as q + 8.
+   Flipping the top bit of q + 8 gives q as a 4-bit two's complement number, so each value comes out
+   with two shifts (up to the top, then down with its sign), as int8's bytes do.
    RUNS: runs of 8 columns per group (1, 2, 4, or 8 for any group of 64 or more), a constant per copy. */
 static inline __attribute__((always_inline)) float int4_row_dot_runs(
         const float *x, const int32_t *w, const float *scales, int64_t n_blocks, int64_t group_size, const int RUNS) {
-    const v8i low4 = {15, 15, 15, 15, 15, 15, 15, 15};
-    const v8f eight = {8, 8, 8, 8, 8, 8, 8, 8};
+    const v8u flip = (v8u){0} + 0x88888888u;  /* the top bit of each nibble */
     v8f acc = {0};
     for (int64_t b = 0; b < n_blocks; b++) {
-        v8i words = load_v8i(w + b * WORDS);
+        v8u bits = (v8u)load_v8i(w + b * WORDS) ^ flip;  /* q + 8 with its top bit flipped: q as a signed nibble */
         __builtin_prefetch(w + b * WORDS + PREFETCH_WORDS);
         const float *xb = x + b * 8 * WORDS;
         v8f part0 = {0}, part1 = {0};
         for (int n = 0; n < 8; n += 2) {
-            part0 += load_v8f(xb + n * WORDS) * (__builtin_convertvector((words >> (4 * n)) & low4, v8f) - eight);
-            part1 += load_v8f(xb + (n + 1) * WORDS) * (__builtin_convertvector((words >> (4 * n + 4)) & low4, v8f) - eight);
+            part0 += load_v8f(xb + n * WORDS) * __builtin_convertvector((v8i)(bits << (28 - 4 * n)) >> 28, v8f);
+            part1 += load_v8f(xb + (n + 1) * WORDS) * __builtin_convertvector((v8i)(bits << (24 - 4 * n)) >> 28, v8f);
             if (RUNS == 1) {
                 acc += part0 * scales[(b * 64 + n * WORDS) / group_size] + part1 * scales[(b * 64 + n * WORDS + WORDS) / group_size];
                 part0 = part1 = (v8f){0};
