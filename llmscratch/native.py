@@ -4,8 +4,9 @@ The source files live in ``llmscratch/kernels/``. The first use compiles one int
 under ``~/.cache/llmscratch/kernels/`` (or ``$XDG_CACHE_HOME``), named by a hash of the source, the
 compiler, its flags and the CPU, so an edit, another compiler or another machine builds afresh; later
 processes load the file. It is built for the CPU it runs on (``-march=native``) with OpenMP where the
-compiler has it. Where no compiler works, or ``LLMSCRATCH_NO_NATIVE=1`` is set, ``load`` returns None
-(with one warning saying why) and the callers use their PyTorch paths.
+compiler has them (each flag set tried in turn; a library built before, with any of them, is loaded
+first). Where no compiler works, ``load`` warns once, saying why, and returns None; with
+``LLMSCRATCH_NO_NATIVE=1`` set it returns None silently. The callers then use their PyTorch paths.
 """
 
 import ctypes
@@ -22,7 +23,7 @@ from llmscratch.atomic import write_atomically
 
 SOURCES = Path(__file__).parent / "kernels"
 # The flags tried in turn: OpenMP for threads, then without it (Apple's clang has none).
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
 COMPILE_SECONDS = 120
 
 
@@ -56,13 +57,15 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         warnings.warn(f"no C compiler found (tried $CC, cc, gcc, clang): {name} runs in PyTorch instead", stacklevel=2)
         return None
+    text, cpu = source.read_text(), _cpu_description()
+    libraries = [(flags, cache_dir() / f"{name}-{_key(text, compiler, flags, cpu)}.so") for flags in FLAG_SETS]
+    # libraries built before come first, so that no process repeats a compile that failed for another
+    libraries.sort(key=lambda pair: not pair[1].exists())
     errors = []
-    for flags in FLAG_SETS:
-        key = hashlib.sha256("|".join([source.read_text(), compiler, " ".join(flags), _cpu_description()]).encode())
-        library = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    for flags, library in libraries:
         if not library.exists():
             try:
-                write_atomically(library, lambda tmp: _compile(compiler, flags, source, tmp))
+                write_atomically(library, lambda tmp, flags=flags: _compile(compiler, flags, source, tmp))
             except (OSError, subprocess.SubprocessError) as err:
                 errors.append(f"{compiler} {' '.join(flags)}: {err}")
                 continue
@@ -73,6 +76,10 @@ def load(name: str) -> ctypes.CDLL | None:
     warnings.warn(f"could not build the C kernel {source} ({'; '.join(errors)[-1500:]}): it runs in PyTorch "
                   f"instead", stacklevel=2)
     return None
+
+
+def _key(source_text: str, compiler: str, flags: list[str], cpu: str) -> str:
+    return hashlib.sha256("|".join([source_text, compiler, " ".join(flags), cpu]).encode()).hexdigest()[:16]
 
 
 def _compile(compiler: str, flags: list[str], source: Path, out: str) -> None:

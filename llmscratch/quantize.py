@@ -140,7 +140,8 @@ def word_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor, sc
 
     The same as ``F.linear(x, dequantized weight)``, written as integer shifts, a multiply and a sum:
     the loop of ``kernels/word_product.c``, in PyTorch, to read and to test the kernel against. Run
-    eagerly it builds weight-sized temporaries; the layers call the kernel (``native_word_product``).
+    eagerly it builds weight-sized temporaries; the layers call the kernel (``native_word_product``),
+    or, where it cannot be built, let ``torch.compile`` fuse this into one loop for a one-row product.
     """
     per_word = VALUES_PER_WORD[scheme]
     out_features, in_features = stored.size(0), stored.size(1) * (2 if scheme == "int4" else 1)
@@ -183,12 +184,27 @@ def _kernels() -> ctypes.CDLL | None:
     return library
 
 
-def _check_operands(stored: torch.Tensor, scales: torch.Tensor, scheme: str, group_size: int) -> tuple[int, int]:
+def _library() -> ctypes.CDLL:
+    library = _kernels()
+    if library is None:
+        raise RuntimeError("the C kernel of llmscratch/kernels/word_product.c is not built here (no working C "
+                           "compiler, or LLMSCRATCH_NO_NATIVE=1): QuantizedLinear multiplies by .weight instead")
+    return library
+
+
+def _check_operands(stored: torch.Tensor, scales: torch.Tensor, scheme: str, group_size: int,
+                    x: torch.Tensor | None = None) -> tuple[int, int]:
     """(out_features, in_features) of a word-ordered layer; ValueError where C would read out of bounds."""
     per_byte = 2 if scheme == "int4" else 1
     out_features, in_features = stored.size(0), stored.size(1) * per_byte
     expected_scales = (out_features,) if scheme == "int8" else (out_features, in_features // max(group_size, 1))
-    if (scheme not in SCHEMES or (scheme == "int4" and group_size <= 0) or stored.dtype != (torch.uint8 if scheme == "int4" else torch.int8)
+    tensors = [stored, scales] if x is None else [stored, scales, x]
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"the C kernel runs on CPU tensors; got {[str(t.device) for t in tensors]}")
+    if x is not None and x.size(-1) != in_features:
+        raise ValueError(f"x has {x.size(-1)} features; the layer takes {in_features}")
+    int4_groups_fit = scheme != "int4" or (group_size > 0 and in_features % group_size == 0)
+    if (scheme not in SCHEMES or not int4_groups_fit or stored.dtype != (torch.uint8 if scheme == "int4" else torch.int8)
             or not word_order_fits(scheme, in_features, group_size) or tuple(scales.shape) != expected_scales):
         raise ValueError(f"not a word-ordered {scheme} layer: stored {stored.dtype} {tuple(stored.shape)}, scales "
                          f"{tuple(scales.shape)}, group_size {group_size} (expected scales {expected_scales})")
@@ -209,13 +225,11 @@ def native_word_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Ten
     The operator ``llmscratch::word_product``. group_size: int4's (any value for int8). Threads:
     ``torch.get_num_threads()``, each taking a share of the output rows.
     """
-    library = _kernels()
-    out_features, in_features = _check_operands(stored, scales, scheme, group_size)
-    if x.size(-1) != in_features:
-        raise ValueError(f"x has {x.size(-1)} features; the layer takes {in_features}")
+    library = _library()
+    out_features, in_features = _check_operands(stored, scales, scheme, group_size, x)
     rows = x.reshape(-1, in_features).float().contiguous()  # (rows, in)
     stored, scales = stored.contiguous(), scales.float().contiguous()  # held here while C reads them
-    out = torch.empty(rows.size(0), out_features)  # (rows, out)
+    out = torch.empty(rows.size(0), out_features, dtype=torch.float32, device="cpu")  # (rows, out)
     pointers = [t.data_ptr() for t in (rows, stored, scales, out)]
     if scheme == "int8":
         library.int8_word_product(*pointers, rows.size(0), out_features, in_features, torch.get_num_threads())
@@ -238,10 +252,10 @@ def native_dequantize(stored: torch.Tensor, scales: torch.Tensor, scheme: str, g
 
     The operator ``llmscratch::dequantize``.
     """
-    library = _kernels()
+    library = _library()
     out_features, in_features = _check_operands(stored, scales, scheme, group_size)
     stored, scales = stored.contiguous(), scales.float().contiguous()  # held here while C reads them
-    out = torch.empty(out_features, in_features)
+    out = torch.empty(out_features, in_features, dtype=torch.float32, device="cpu")
     pointers = [t.data_ptr() for t in (stored, scales, out)]
     if scheme == "int8":
         library.int8_dequantize(*pointers, out_features, in_features, torch.get_num_threads())
@@ -310,6 +324,9 @@ class QuantizedLinear(nn.Module):
             return out if bias is None else out + bias
         if native and not torch.compiler.is_compiling():
             return self._product_by_chunks(x, bias)
+        if self.word_order and not self.native and x.numel() == x.size(-1) and torch.compiler.is_compiling():
+            out = word_product(x, self.qweight, self.scales, self.scheme)  # no C compiler: inductor fuses this one
+            return out if bias is None else out + bias
         return F.linear(x, self.weight.to(x.dtype), bias)  # another device, gradients for x, or traced
 
     def _product_by_chunks(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

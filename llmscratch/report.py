@@ -229,7 +229,7 @@ def weights_summary(model: nn.Module) -> dict:
         form = settings["scheme"] + (f", group {settings['group_size']}" if settings["group_size"] else "")
         if settings["scheme"] != "int8" or not settings["head"]:
             form += ", int8 head" if settings["head"] else ", float head"
-    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    tensors = {(t.data_ptr(), t.numel() * t.element_size()): t for t in model.state_dict().values()}
     return {"format": form, "megabytes": sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6}
 
 

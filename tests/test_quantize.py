@@ -1,5 +1,6 @@
 """llmscratch.quantize: int8 and int4 weights against a float64 numpy reference, and quantized GPTs."""
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -182,15 +183,17 @@ def test_a_layer_outside_the_word_order_keeps_its_columns_and_still_multiplies(s
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_compiled_decoding_of_a_quantized_gpt_gives_the_eager_tokens(scheme):
+@pytest.mark.parametrize("scheme, native", [("int8", True), ("int4", True), ("int4", False)])
+def test_compiled_decoding_of_a_quantized_gpt_gives_the_eager_tokens(scheme, native):
     # d_model 64 and d_ff 128 fit the word order: the compiled step multiplies by the stored words.
     config = GPTConfig(vocab_size=97, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                        norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
     model = GPT(config)
     randomize(model, seed=5, scale=0.3)
     quantized = quantize(model.eval(), scheme, group_size=64)
-    assert all(m.word_order for m in quantized.modules() if isinstance(m, QuantizedLinear))
+    for layer in (m for m in quantized.modules() if isinstance(m, QuantizedLinear)):
+        assert layer.word_order
+        layer.native = native  # False: as without a C compiler (the traced PyTorch word product)
     idx = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         assert torch.equal(generate(quantized, idx, 10, compile=True), generate(quantized, idx, 10))
@@ -249,13 +252,17 @@ def test_threads_share_the_rows_without_changing_a_bit(one_torch_thread):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_many_rows_go_through_the_weight_in_chunks_and_gradients_reach_x(scheme):
+def test_many_rows_go_through_the_weight_in_chunks_and_gradients_reach_x(scheme, monkeypatch):
     out_features = 2 * CHUNK_ROWS + 45  # a last chunk that is not full
     layer = QuantizedLinear(nn.Linear(128, out_features), scheme, 32)
     x = torch.randn(KERNEL_ROWS + 1, 128, requires_grad=True)
     expected = nn.functional.linear(x.detach().double(), layer.weight.double(), layer.bias.double())
+    chunked = []
+    by_chunks = QuantizedLinear._product_by_chunks
+    monkeypatch.setattr(QuantizedLinear, "_product_by_chunks", lambda self, *a: chunked.append(1) or by_chunks(self, *a))
     with torch.no_grad():
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    assert chunked == [1]
     layer(x[:2]).sum().backward()  # few rows, but x needs a gradient: the float path
     torch.testing.assert_close(x.grad[:2].double(), layer.weight.double().sum(0).expand(2, -1), rtol=1e-5, atol=1e-5)
 
@@ -268,20 +275,43 @@ def test_operands_the_kernel_would_read_past_are_refused():
         native_word_product(torch.randn(1, 128), layer.qweight, layer.scales, "int4", 64)
     with pytest.raises(ValueError, match="not a word-ordered int8 layer"):
         native_dequantize(layer.qweight, layer.scales, "int8", 0)
+    # a group size that fits the word order but not the row: 192 inputs, groups of 128
+    wide = QuantizedLinear(nn.Linear(192, 4), "int4", 64)
+    with pytest.raises(ValueError, match="group_size 128"):
+        native_word_product(torch.randn(1, 192), wide.qweight, wide.scales[:, :1].contiguous(), "int4", 128)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        native_word_product(torch.randn(1, 128, device="meta"), layer.qweight, layer.scales, "int4", 32)
+
+
+def test_the_kernel_writes_float32_whatever_the_default_dtype():
+    layer = QuantizedLinear(nn.Linear(64, 8), "int8")
+    x = torch.randn(1, 64)
+    expected = native_word_product(x, layer.qweight, layer.scales, "int8", 0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert torch.equal(native_word_product(x, layer.qweight, layer.scales, "int8", 0), expected)
+        assert torch.equal(native_dequantize(layer.qweight, layer.scales, "int8", 0), layer.values() * layer.scales[:, None])
+    finally:
+        torch.set_default_dtype(default)
 
 
 KERNEL_FALLBACK = """
-import warnings, torch
+import json, warnings, torch
 from torch import nn
-from llmscratch.quantize import QuantizedLinear
+from llmscratch.quantize import QuantizedLinear, native_word_product
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     layer = QuantizedLinear(nn.Linear(64, 8), "int8")
 x = torch.randn(1, 64)
 with torch.no_grad():
     torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
-print(layer.native)
-print(" ".join(str(w.message) for w in caught))
+try:
+    native_word_product(x, layer.qweight, layer.scales, "int8", 0)
+    refusal = ""
+except RuntimeError as err:
+    refusal = str(err)
+print(json.dumps({"native": layer.native, "warnings": " ".join(str(w.message) for w in caught), "refusal": refusal}))
 """
 
 
@@ -292,8 +322,9 @@ def test_without_a_compiler_the_layers_run_in_pytorch_and_say_so(tmp_path, envir
     done = subprocess.run([sys.executable, "-c", KERNEL_FALLBACK], env=env, capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    native, _, messages = done.stdout.partition("\n")
-    assert native == "False" and warning in messages
+    seen = json.loads(done.stdout)
+    assert seen["native"] is False and (warning in seen["warnings"] if warning else seen["warnings"] == "")
+    assert "C kernel" in seen["refusal"] and "not built here" in seen["refusal"]  # the operator says why
     assert not list(tmp_path.rglob("*.so"))
 
 
@@ -306,8 +337,9 @@ def test_a_failing_compiler_is_reported_with_its_message(tmp_path):
     done = subprocess.run([sys.executable, "-c", KERNEL_FALLBACK], env=env, capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    native, _, messages = done.stdout.partition("\n")
-    assert native == "False" and "could not build the C kernel" in messages and "no such thing" in messages
+    seen = json.loads(done.stdout)
+    assert seen["native"] is False and "could not build the C kernel" in seen["warnings"]
+    assert "no such thing" in seen["warnings"]
 
 
 # --------------------------------------------------------------------------- saved and loaded
