@@ -204,7 +204,8 @@ def _check_operands(stored: torch.Tensor, scales: torch.Tensor, scheme: str, gro
     if x is not None and x.size(-1) != in_features:
         raise ValueError(f"x has {x.size(-1)} features; the layer takes {in_features}")
     int4_groups_fit = scheme != "int4" or (group_size > 0 and in_features % group_size == 0)
-    if (scheme not in SCHEMES or not int4_groups_fit or stored.dtype != (torch.uint8 if scheme == "int4" else torch.int8)
+    stored_dtype = torch.uint8 if scheme == "int4" else torch.int8
+    if (scheme not in SCHEMES or not int4_groups_fit or stored.dtype != stored_dtype
             or not word_order_fits(scheme, in_features, group_size) or tuple(scales.shape) != expected_scales):
         raise ValueError(f"not a word-ordered {scheme} layer: stored {stored.dtype} {tuple(stored.shape)}, scales "
                          f"{tuple(scales.shape)}, group_size {group_size} (expected scales {expected_scales})")

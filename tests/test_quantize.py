@@ -259,7 +259,8 @@ def test_many_rows_go_through_the_weight_in_chunks_and_gradients_reach_x(scheme,
     expected = nn.functional.linear(x.detach().double(), layer.weight.double(), layer.bias.double())
     chunked = []
     by_chunks = QuantizedLinear._product_by_chunks
-    monkeypatch.setattr(QuantizedLinear, "_product_by_chunks", lambda self, *a: chunked.append(1) or by_chunks(self, *a))
+    monkeypatch.setattr(QuantizedLinear, "_product_by_chunks",
+                        lambda self, *args: chunked.append(1) or by_chunks(self, *args))
     with torch.no_grad():
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
     assert chunked == [1]
@@ -291,7 +292,8 @@ def test_the_kernel_writes_float32_whatever_the_default_dtype():
     torch.set_default_dtype(torch.float64)
     try:
         assert torch.equal(native_word_product(x, layer.qweight, layer.scales, "int8", 0), expected)
-        assert torch.equal(native_dequantize(layer.qweight, layer.scales, "int8", 0), layer.values() * layer.scales[:, None])
+        expected_weight = layer.values() * layer.scales[:, None]
+        assert torch.equal(native_dequantize(layer.qweight, layer.scales, "int8", 0), expected_weight)
     finally:
         torch.set_default_dtype(default)
 

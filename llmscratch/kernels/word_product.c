@@ -50,7 +50,8 @@ void int8_word_product(const float *x, const int32_t *w, const float *scales, fl
     #pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
     for (int64_t o = 0; o < out_features; o++)
         for (int64_t r = 0; r < rows; r++)
-            y[r * out_features + o] = scales[o] * int8_row_dot(x + r * in_features, w + o * (in_features / 4), n_blocks);
+            y[r * out_features + o] = scales[o] * int8_row_dot(x + r * in_features, w + o * (in_features / 4),
+                                                               n_blocks);
 }
 
 /* int4: block of 64 columns = 8 words; nibble n of word i is column n * 8 + i, stored as q + 8.
@@ -70,7 +71,8 @@ static inline __attribute__((always_inline)) float int4_row_dot_runs(
             part0 += load_v8f(xb + n * WORDS) * __builtin_convertvector((v8i)(bits << (28 - 4 * n)) >> 28, v8f);
             part1 += load_v8f(xb + (n + 1) * WORDS) * __builtin_convertvector((v8i)(bits << (24 - 4 * n)) >> 28, v8f);
             if (RUNS == 1) {
-                acc += part0 * scales[(b * 64 + n * WORDS) / group_size] + part1 * scales[(b * 64 + n * WORDS + WORDS) / group_size];
+                int64_t column = b * 64 + n * WORDS;
+                acc += part0 * scales[column / group_size] + part1 * scales[(column + WORDS) / group_size];
                 part0 = part1 = (v8f){0};
             } else if ((n + 2) % RUNS == 0) {
                 acc += (part0 + part1) * scales[(b * 64 + n * WORDS) / group_size];
