@@ -3,9 +3,9 @@
 The source files live in ``llmscratch/kernels/``. The first use compiles one into a shared library
 under ``~/.cache/llmscratch/kernels/`` (or ``$XDG_CACHE_HOME``), named by a hash of the source, the
 compiler, its flags and the CPU, so an edit, another compiler or another machine builds afresh; later
-processes load the file. It is built for the CPU it runs on (``-march=native``) with OpenMP where the
-compiler has them (each flag set tried in turn; a library built before, with any of them, is loaded
-first). Where no compiler works, ``load`` warns once, saying why, and returns None; with
+processes load the file. It is built for the CPU it runs on (``-march=native``) and with OpenMP, where
+the compiler takes them (each flag set tried in turn; a library built before, with any of them, is
+loaded first). Where no compiler works, ``load`` warns once, saying why, and returns None; with
 ``LLMSCRATCH_NO_NATIVE=1`` set it returns None silently. The callers then use their PyTorch paths.
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 from llmscratch.atomic import write_atomically
 
 SOURCES = Path(__file__).parent / "kernels"
-# The flags tried in turn: OpenMP for threads, then without it (Apple's clang has none).
+# The flags tried in turn: this CPU's instructions and OpenMP's threads, then without one or both (Apple's clang
+# has no OpenMP; some compilers spell -march=native otherwise).
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
 COMPILE_SECONDS = 120
 
