@@ -34,9 +34,12 @@ def positions_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
     """(T, kv_len) booleans, True where the query at position input_pos[t] may look at key position s.
 
     A key is visible when it is not after the query: that hides the future inside a chunk and the
-    positions of a fixed-size cache that nothing has been written to yet.
+    positions of a fixed-size cache that nothing has been written to yet. input_pos (B, T), each
+    row at positions of its own (continuous batching), gives (B, 1, T, kv_len): one mask per row,
+    shared by the heads.
     """
-    return torch.arange(kv_len, device=input_pos.device) <= input_pos[:, None]  # (T, kv_len)
+    mask = torch.arange(kv_len, device=input_pos.device) <= input_pos[..., None]  # ([B,] T, kv_len)
+    return mask if input_pos.dim() == 1 else mask[:, None]  # (T, kv_len) or (B, 1, T, kv_len)
 
 
 def explicit_attention(
@@ -109,21 +112,38 @@ class KVCache:
     def max_seq_len(self) -> int:
         return self.keys.size(2)
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """The cache of batch rows start..stop-1 alone, sharing this one's memory (a view, not a copy).
+
+        Continuous batching prefills one new sequence into its own row while the others wait.
+        """
+        view = object.__new__(KVCache)
+        view.keys, view.values = self.keys[start:stop], self.values[start:stop]  # (stop - start, n_kv, T_max, hs)
+        return view
+
     def write(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values (B, n_kv, T, hs) at the positions input_pos (T,); return the whole cache.
 
-        The result (B, n_kv, max_seq_len, hs) has the same shape at every step; attention must hide
-        the positions not written yet (``positions_mask``). Nothing is checked here, once per layer and
-        token: the cache's sizes were checked when it was made, and the caller (``GPT.forward``,
-        ``generate``) keeps the positions below max_seq_len and the batch within batch_size.
+        input_pos (B, T) instead gives each row positions of its own (continuous batching: the
+        sequences of a batch started at different times). The result (B, n_kv, max_seq_len, hs) has
+        the same shape at every step; attention must hide the positions not written yet
+        (``positions_mask``). Nothing is checked here, once per layer and token: the cache's sizes
+        were checked when it was made, and the caller (``GPT.forward``, ``generate``) keeps the
+        positions below max_seq_len and the batch within batch_size.
         """
         batch_size = keys.size(0)
         # Under autocast the projections come out in bf16/fp16; the cache keeps its own dtype (as a slice
         # assignment would), so that the same cache serves eager and autocast steps alike.
-        self.keys[:batch_size].index_copy_(2, input_pos, keys.to(self.keys.dtype))
-        self.values[:batch_size].index_copy_(2, input_pos, values.to(self.values.dtype))
+        keys, values = keys.to(self.keys.dtype), values.to(self.values.dtype)
+        if input_pos.dim() == 1:
+            self.keys[:batch_size].index_copy_(2, input_pos, keys)
+            self.values[:batch_size].index_copy_(2, input_pos, values)
+        else:  # row b's T keys go to positions input_pos[b]: indexed (B, T, n_kv, hs), heads moved behind
+            rows = torch.arange(batch_size, device=input_pos.device)[:, None]  # (B, 1)
+            self.keys[rows, :, input_pos] = keys.transpose(1, 2)
+            self.values[rows, :, input_pos] = values.transpose(1, 2)
         return self.keys[:batch_size], self.values[:batch_size]  # (B, n_kv, T_max, hs)
 
 
@@ -201,7 +221,7 @@ class MultiHeadAttention(nn.Module):
         """Attend over x (B, T, d_in), whose tokens sit at positions start_pos..start_pos+T-1.
 
         input_pos: the positions (T,) as a tensor instead of start_pos, what a compiled decoding step
-        passes (a new position is then new data, not a new graph).
+        passes (a new position is then new data, not a new graph); (B, T) for rows at positions of their own.
         rope: rotate queries and keys at those positions (a table the model shares across layers).
         kv_cache: this layer's cache; x's keys and values are written at their positions and x attends
         to the whole cache, masked to the positions up to its own (``KVCache.write``).
@@ -225,7 +245,7 @@ class MultiHeadAttention(nn.Module):
             if input_pos is None:
                 input_pos = torch.arange(start_pos, start_pos + seq_len, device=x.device)  # (T,)
             k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs) with S = the cache's max_seq_len
-            mask = positions_mask(input_pos, k.size(-2))  # (T, S)
+            mask = positions_mask(input_pos, k.size(-2))  # (T, S), or (B, 1, T, S) for per-row positions
         dropout_p = self.dropout if self.training else 0.0
         if self.fused and not need_weights:
             context = fused_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs)

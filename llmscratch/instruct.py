@@ -70,6 +70,35 @@ def format_prompt(record: dict) -> str:
     return prompt + "\n\n### Response:\n"
 
 
+def format_chat(messages: Sequence[dict]) -> str:
+    """A conversation in the same template, ending where the model's next answer starts.
+
+    messages: OpenAI-style ``{"role": "system" | "user" | "assistant", "content": str}``, the last one
+    the user's. A system message replaces the header; each user turn is an instruction and each
+    assistant turn its response, so a one-turn chat is exactly ``format_prompt`` of that instruction.
+    The models were finetuned on one turn: later turns ask of them what they never practised.
+    """
+    header = HEADER
+    turns = []
+    for index, message in enumerate(messages):
+        role, content = message["role"], message["content"]
+        if role == "system":
+            if index:
+                raise ValueError(f"message {index}: a system message can only come first")
+            header = content
+        elif role == "user":
+            turns.append(f"### Instruction:\n{content}\n\n### Response:\n")
+        elif role == "assistant":
+            if not turns or not turns[-1].endswith("### Response:\n"):
+                raise ValueError(f"message {index}: an assistant message must answer a user message")
+            turns[-1] += f"{content}\n\n"
+        else:
+            raise ValueError(f"message {index}: role {role!r} is not one of system, user, assistant")
+    if not turns or not turns[-1].endswith("### Response:\n"):
+        raise ValueError("the last message must be the user's (there is nothing to answer)")
+    return f"{header}\n\n" + "".join(turns)
+
+
 def encode_records(records: Sequence[dict], tokenizer,
                    context_length: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference.

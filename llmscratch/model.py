@@ -224,7 +224,8 @@ class GPT(nn.Module):
         """Logits for ids ``idx`` (B, T) sitting at positions start_pos..start_pos+T-1.
 
         ``input_pos`` (T,), the positions as a tensor, replaces start_pos (a compiled decoding step
-        passes it, so that a new position is new data, not a new graph). With ``kv_caches`` (one per
+        passes it, so that a new position is new data, not a new graph); (B, T) gives each row
+        positions of its own (the rows of a continuous batch started at different times). With ``kv_caches`` (one per
         block, see ``make_kv_caches``) the ids' keys and values are written at their positions and
         attend to everything cached before them, so decoding feeds one new token at a time; the
         caller keeps the positions below the caches' length.

@@ -49,8 +49,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate x (B, nh, T, hs) as if its T rows sat at positions start_pos..start_pos+T-1.
 
         ``positions`` (T,), a tensor, replaces ``start_pos``: a compiled decoding step passes its
-        position as a tensor so that a new position is new data, not a new graph. It is not
-        range-checked here (that would read it back from the device): the caller keeps it in range.
+        position as a tensor so that a new position is new data, not a new graph; (B, T) gives each
+        row positions of its own. It is not range-checked here (that would read it back from the
+        device): the caller keeps it in range.
         """
         seq_len, head_dim = x.shape[-2:]
         if head_dim != self.head_dim:
@@ -65,8 +66,10 @@ class RotaryEmbedding(nn.Module):
                     f"are outside the RoPE table of max_seq_len={self.max_seq_len}"
                 )
             positions = slice(start_pos, start_pos + seq_len)
-        cos = self.cos[positions].to(x.dtype)  # (T, hs), broadcasts over (B, nh)
-        sin = self.sin[positions].to(x.dtype)  # (T, hs)
+        cos = self.cos[positions].to(x.dtype)  # (T, hs), broadcasts over (B, nh); or (B, T, hs)
+        sin = self.sin[positions].to(x.dtype)  # (T, hs) or (B, T, hs)
+        if cos.dim() == 3:  # per-row positions: the same angles for every head of a row
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
         return x * cos + rotate_half(x) * sin  # (B, nh, T, hs)
 
     def extra_repr(self) -> str:
