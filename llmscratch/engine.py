@@ -111,8 +111,11 @@ class Request:
         self.params = params
         self.events: queue.Queue[Event] | None = None if emit is not None else queue.Queue()
         self._emit = emit if emit is not None else self.events.put
-        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                       else int(torch.randint(2**62, ()).item()))
+        self.generator = torch.Generator()  # its own stream: the caller's and the other requests' never move
+        if params.seed is None:
+            self.generator.seed()  # a fresh seed from the operating system
+        else:
+            self.generator.manual_seed(params.seed)
         self.tokenizer = tokenizer
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop_text = StopText(params.stop)
@@ -260,6 +263,7 @@ class Engine:
             self.waiting.get_nowait().finish("cancelled")
             self.stats.finished["cancelled"] += 1
 
+    @torch.inference_mode()  # no autograd record of the cache writes, whoever calls it
     def step(self, wait: float = 0.0) -> None:
         """One step: retire, admit, one batched decode. With nothing to do, wait for a request (seconds)."""
         for row, request in enumerate(self.slots):

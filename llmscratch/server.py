@@ -193,9 +193,10 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         except QueueFull as err:
             raise APIError(503, f"the server is busy ({err}); retry shortly", "server_busy",
                            headers={"Retry-After": "1"}) from None
-        except ValueError as err:
-            raise APIError(400, str(err), "context_length_exceeded" if "context" in str(err) else "invalid_value",
-                           "max_tokens") from None
+        except ValueError as err:  # the prompt's ids, or prompt + max_tokens past the context
+            too_long = "context" in str(err)
+            raise APIError(400, str(err), "context_length_exceeded" if too_long else "invalid_value",
+                           "max_tokens" if too_long else "prompt") from None
         return events, handle
 
     def room(prompt_ids: list[int], asked: int | None) -> int:
@@ -210,7 +211,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         prompt_ids = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt,
                                                                                           allowed_special="all")
         params = body.sampling(room(prompt_ids, body.max_tokens))
-        return await answer(request, body, "text_completion", *start(prompt_ids, params), len(prompt_ids))
+        return await answer(request, body, "text_completion", *start(prompt_ids, params))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -221,10 +222,10 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
             raise APIError(400, str(err), "invalid_value", "messages") from None
         prompt_ids = tokenizer.encode(prompt, disallowed_special=())
         params = body.sampling(room(prompt_ids, body.max_completion_tokens or body.max_tokens), (chat_stop,))
-        return await answer(request, body, "chat.completion", *start(prompt_ids, params), len(prompt_ids))
+        return await answer(request, body, "chat.completion", *start(prompt_ids, params))
 
-    async def answer(request: Request, body: _Sampling, kind: str, events: asyncio.Queue, handle,
-                     prompt_tokens: int):
+    async def answer(request: Request, body: _Sampling, kind: str, events: asyncio.Queue, handle):
+        """The answer whole (JSON) or streamed (server-sent events); either way the request ends if the client goes."""
         ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))

@@ -155,6 +155,7 @@ def test_positions_mask_of_rows_is_each_rows_own():
 
 
 # --------------------------------------------------------------------------- against generate alone
+@pytest.mark.slow
 def test_sixteen_concurrent_requests_match_generate_alone_within_the_derived_tolerance(base):
     model, tokenizer = base
     eos, vocab = tokenizer.eot_token, min(tokenizer.n_vocab, model.config.vocab_size)
@@ -362,3 +363,17 @@ def test_a_chat_of_one_turn_is_the_instruction_prompt_and_bad_chats_are_named():
                               ([{"role": "tool", "content": "x"}], "role 'tool'")]:
         with pytest.raises(ValueError, match=message):
             format_chat(messages)
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "int8", "int4"])
+def test_bfloat16_and_quantized_models_answer_as_generate_does(base, form):
+    from llmscratch.quantize import quantize
+
+    model, tokenizer = base
+    served = copy.deepcopy(model).to(torch.bfloat16) if form == "bfloat16" else quantize(model, form, 64, head=True)
+    prompts = PROMPTS[:6]
+    results = submit_all(Engine(served, tokenizer), prompts, [SamplingParams(max_tokens=12)] * len(prompts), tokenizer)
+    for prompt, result in zip(prompts, results):
+        ids = tokenizer.encode(prompt)
+        out = generate(served, torch.tensor([ids]), 12, eos_id=tokenizer.eot_token, vocab_size=tokenizer.n_vocab)
+        assert result.token_ids == [i for i in out[0, len(ids):].tolist() if i != tokenizer.eot_token], prompt

@@ -244,6 +244,7 @@ def test_the_chat_page_is_served_at_the_root(server):
 
 
 # --------------------------------------------------------------------------- the script
+@pytest.mark.slow
 def test_serve_py_serves_with_a_key_from_the_environment_until_stopped():
     port = free_port()
     env = {**os.environ, "LLMSCRATCH_API_KEYS": "secret-1, secret-2"}
