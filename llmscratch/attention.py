@@ -112,13 +112,16 @@ class KVCache:
     def max_seq_len(self) -> int:
         return self.keys.size(2)
 
-    def rows(self, start: int, stop: int) -> "KVCache":
-        """The cache of batch rows start..stop-1 alone, sharing this one's memory (a view, not a copy).
+    def rows(self, start: int, stop: int, length: int | None = None) -> "KVCache":
+        """The cache of batch rows start..stop-1 alone (and of its first ``length`` positions), sharing this one's
+        memory: a view, not a copy.
 
-        Continuous batching prefills one new sequence into its own row while the others wait.
+        Continuous batching prefills a new sequence into its own row while the others wait, and decodes over
+        the positions reached so far rather than the whole context.
         """
         view = object.__new__(KVCache)
-        view.keys, view.values = self.keys[start:stop], self.values[start:stop]  # (stop - start, n_kv, T_max, hs)
+        view.keys = self.keys[start:stop, :, :length]  # (stop - start, n_kv, length or T_max, hs)
+        view.values = self.values[start:stop, :, :length]
         return view
 
     def write(

@@ -279,38 +279,70 @@ class Engine:
                         self._retire(row, "error", f"{type(err).__name__}: {err}")
 
     def _admit(self, wait: float) -> None:
-        """Fill the free rows from the queue, lowest first; each prompt prefilled alone into its row."""
-        while None in self.slots:
+        """Fill the free rows from the queue, lowest first, and prefill the new prompts (together, unless "fixed")."""
+        free = [row for row, request in enumerate(self.slots) if request is None]
+        admitted = []
+        while len(admitted) < len(free):
             try:
                 request = self.waiting.get(timeout=wait) if wait else self.waiting.get_nowait()
             except queue.Empty:
-                return
+                break
             wait = 0.0
             if request.cancelled.is_set():
                 request.finish("cancelled")
                 self.stats.finished["cancelled"] += 1
-                continue
-            row = self.slots.index(None)
+            else:
+                admitted.append(request)
+        pairs = list(zip(free, admitted))
+        # "fixed": each prompt alone, so that its arithmetic cannot depend on the others admitted with it.
+        for group in [[pair] for pair in pairs] if self.batch_shape == "fixed" else [pairs] if pairs else []:
             try:
-                logits = self._prefill(row, request.prompt_ids)  # (1, V)
+                logits = self._prefill(group)  # (n, V)
             except Exception as err:
-                request.finish("error", f"{type(err).__name__}: {err}")
-                self.stats.finished["error"] += 1
+                for _, request in group:
+                    request.finish("error", f"{type(err).__name__}: {err}")
+                    self.stats.finished["error"] += 1
                 continue
-            self.slots[row] = request
-            self.positions[row] = len(request.prompt_ids)
-            self._choose({row: logits[0]})
+            for row, request in group:
+                self.slots[row] = request
+                self.positions[row] = len(request.prompt_ids)
+            self._choose({row: logits[i] for i, (row, _) in enumerate(group)})
 
-    def _prefill(self, row: int, prompt_ids: list[int]) -> torch.Tensor:
-        idx = torch.tensor([prompt_ids], device=self.tokens.device)  # (1, T)
-        self.stats.prompt_tokens += len(prompt_ids)
-        return self.model(idx, [cache.rows(row, row + 1) for cache in self.caches])[:, -1]  # (1, V)
+    def _prefill(self, group: list[tuple[int, "Request"]]) -> torch.Tensor:
+        """Run the prompts of (row, request) pairs, filling their rows of the cache; each one's next-token logits (n, V)."""
+        prompts = [request.prompt_ids for _, request in group]
+        self.stats.prompt_tokens += sum(map(len, prompts))
+        device = self.tokens.device
+        if len(group) == 1:
+            row = group[0][0]
+            return self.model(torch.tensor(prompts, device=device),
+                              [cache.rows(row, row + 1) for cache in self.caches])[:, -1]  # (1, V)
+        # Several in one forward: right-padded to the longest, into a cache of their own, then copied into their
+        # rows. A prompt never sees the padding after it (causal), and the padding's keys sit at positions its row
+        # writes anew before any query reads them.
+        longest = max(map(len, prompts))
+        idx = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)  # (n, T)
+        for i, prompt in enumerate(prompts):
+            idx[i, : len(prompt)] = torch.tensor(prompt)
+        scratch = self.model.make_kv_caches(len(prompts), longest)
+        logits = self.model(idx, scratch)  # (n, T, V)
+        rows = torch.tensor([row for row, _ in group], device=device)
+        for cache, part in zip(self.caches, scratch):
+            cache.keys[rows, :, :longest] = part.keys
+            cache.values[rows, :, :longest] = part.values
+        last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=device)
+        return logits[torch.arange(len(prompts), device=device), last]  # (n, V): each prompt's own last position
 
     def _decode(self) -> None:
         """Feed every occupied row its last token at its own position; choose the next ones."""
         occupied = [row for row, request in enumerate(self.slots) if request is not None]
-        rows = self.max_slots if self.batch_shape == "fixed" else occupied[-1] + 1
-        logits = self.model(self.tokens[:rows], self.caches, input_pos=self.positions[:rows])[:, -1]  # (rows, V)
+        if self.batch_shape == "fixed":
+            rows, caches = self.max_slots, self.caches
+        else:  # the rows up to the last occupied one, and only the positions some row has reached
+            rows = occupied[-1] + 1
+            length = max(len(self.slots[row].prompt_ids) + len(self.slots[row].token_ids) for row in occupied)
+            caches = [cache.rows(0, rows, length) for cache in self.caches]
+        logits = self.model(self.tokens[:rows], caches, input_pos=self.positions[:rows])[:, -1]  # (rows, V)
         self.positions[occupied] += 1
         self._choose({row: logits[row] for row in occupied})
         self.stats.step(len(occupied))
