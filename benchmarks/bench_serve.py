@@ -341,7 +341,8 @@ def report(results: list[dict], args, elapsed: float) -> None:
     print(f"Command: `{command}` ({elapsed / 60:.1f} minutes in all)  ")
     print(f"Machine: {machine_description()} (the server's torch threads; the server and the clients share "
           f"the machine); load average {load_average()} at the end  ")
-    print(f"Server: `create_app` over `Engine(max_slots={SLOTS})` (batch shape \"{args.batch_shape}\"), uvicorn on 127.0.0.1, "
+    print(f"Server: `create_app` over `Engine(max_slots={SLOTS})` (batch shape \"{args.batch_shape}\"), "
+          f"uvicorn on 127.0.0.1, "
           f"in a subprocess; clients: asyncio + httpx in the benchmark's process, streaming `/v1/completions` "
           f"(`temperature: 0`, `stream: true`). With c clients each sends its requests back to back. "
           f"Tokens/s: completion tokens over wall time, median of {args.rounds} interleaved rounds (range in "
@@ -354,7 +355,8 @@ def report(results: list[dict], args, elapsed: float) -> None:
                 else "GPT-2's shape, random weights, GPT-2 tokenizer")
         print(f"**{result['name']}** ({kind}; {result['params'] / 1e6:.1f}M parameters): prompts of "
               f"{min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} tokens, {result['max_tokens']} new "
-              f"tokens a request, {result['requests']} request{'s' if result['requests'] != 1 else ''} a client a round.\n")
+              f"tokens a request, {result['requests']} request{'s' if result['requests'] != 1 else ''} a client "
+              f"a round.\n")
         print("| clients | requests | tokens/s | vs 1 client | TTFT p50 / p99 ms | per-token p50 / p99 ms | "
               "server CPU | client CPU |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="precision of the weights and the computation (default float32; a quantized model keeps its integers)")
     add("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', 'mps', ... (default: cuda if available, else cpu)")
     args = parser.parse_args(argv)
-    args.api_key += [key.strip() for key in os.environ.get(KEYS_VARIABLE, "").split(",") if key.strip()]
+    keys = args.api_key + os.environ.get(KEYS_VARIABLE, "").split(",")
+    args.api_key = [key.strip() for key in keys if key.strip()]  # as a client's header is read: spaces stripped
     try:
         args.name_default, args.model = resolve_model(args.model)
         args.device = resolve_device(args.device)
@@ -61,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
     for flag, value in (("--max-slots", args.max_slots), ("--max-waiting", args.max_waiting),
-                        ("--rate-limit", args.rate_limit or 1)):
-        if value < 1:
+                        ("--rate-limit", args.rate_limit)):
+        if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if not args.api_key and not is_loopback(args.host):
         parser.error(f"--host {args.host} listens beyond this machine: give --api-key (or ${KEYS_VARIABLE}) so that "

@@ -21,6 +21,7 @@ any thread, and each request's events go to its ``emit`` callback, from the engi
 import codecs
 import collections
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -120,6 +121,7 @@ class Request:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop_text = StopText(params.stop)
         self.token_ids: list[int] = []
+        self.stopped = False  # a stop string was found: nothing after it is text of the answer
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()
 
@@ -147,7 +149,7 @@ class Request:
 
     def finish(self, reason: str, error: str | None = None) -> None:
         tail = ""
-        if reason in ("stop", "length"):  # bytes of a character cut short, then what was held back for a stop string
+        if reason in ("stop", "length") and not self.stopped:  # a character cut short, then what waited on a stop
             tail, stopped = self.stop_text.feed(self.decoder.decode(b"", final=True))
             tail += "" if stopped else self.stop_text.flush()
         self.emit(Event(tail, [], reason, error, len(self.prompt_ids), len(self.token_ids)))
@@ -157,10 +159,10 @@ class Request:
         self.token_ids.append(token_id)
         if token_id == eos_id:
             return "stop"
-        text, stopped = self.stop_text.feed(self.decoder.decode(self.tokenizer.decode_bytes([token_id])))
-        if text or not stopped:
+        text, self.stopped = self.stop_text.feed(self.decoder.decode(self.tokenizer.decode_bytes([token_id])))
+        if text or not self.stopped:
             self.emit(Event(text, [token_id]))
-        if stopped:
+        if self.stopped:
             return "stop"
         return "length" if len(self.token_ids) == self.params.max_tokens else None
 
@@ -217,7 +219,11 @@ class Engine:
         try:
             self.waiting.put_nowait(request)
         except queue.Full:
-            raise QueueFull(f"{self.waiting.maxsize} requests are already waiting") from None
+            self._drop_cancelled_waiting()  # places held by clients that left are free
+            try:
+                self.waiting.put_nowait(request)
+            except queue.Full:
+                raise QueueFull(f"{self.waiting.maxsize} requests are already waiting") from None
         self.stats.submitted += 1
         return request
 
@@ -255,13 +261,20 @@ class Engine:
     @torch.inference_mode()
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self.step(wait=0.05)
+            try:
+                self.step(wait=0.05)
+            except Exception as err:  # a bug of ours: end what runs with it, and keep serving
+                self._end_all("error", f"{type(err).__name__}: {err}", waiting=False)
+        self._end_all("cancelled")
+
+    def _end_all(self, reason: str, error: str | None = None, waiting: bool = True) -> None:
+        """End every running request (and every waiting one) with this reason."""
         for row, request in enumerate(self.slots):
             if request is not None:
-                self._retire(row, "cancelled")
-        while not self.waiting.empty():
-            self.waiting.get_nowait().finish("cancelled")
-            self.stats.finished["cancelled"] += 1
+                self._retire(row, reason, error)
+        while waiting and not self.waiting.empty():
+            self.waiting.get_nowait().finish(reason, error)
+            self.stats.finished[reason] += 1
 
     @torch.inference_mode()  # no autograd record of the cache writes, whoever calls it
     def step(self, wait: float = 0.0) -> None:
@@ -269,14 +282,26 @@ class Engine:
         for row, request in enumerate(self.slots):
             if request is not None and request.cancelled.is_set():
                 self._retire(row, "cancelled")
+        self._drop_cancelled_waiting()
         self._admit(wait if self.running == 0 else 0.0)
         if self.running:
             try:
                 self._decode()
             except Exception as err:  # a failing step ends the requests in it, not the server
-                for row, request in enumerate(self.slots):
-                    if request is not None:
-                        self._retire(row, "error", f"{type(err).__name__}: {err}")
+                self._end_all("error", f"{type(err).__name__}: {err}", waiting=False)
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Take the requests whose clients left out of the queue now, rather than when a row frees: their places
+        are for others (``submit`` counts them)."""
+        with self.waiting.mutex:  # queue.Queue's own lock over its deque
+            left = [request for request in self.waiting.queue if request.cancelled.is_set()]
+            if not left:
+                return
+            self.waiting.queue = collections.deque(r for r in self.waiting.queue if not r.cancelled.is_set())
+            self.waiting.not_full.notify_all()
+        for request in left:
+            request.finish("cancelled")
+            self.stats.finished["cancelled"] += 1
 
     def _admit(self, wait: float) -> None:
         """Fill the free rows from the queue, lowest first, and prefill the new prompts (together, unless "fixed")."""
@@ -296,20 +321,19 @@ class Engine:
         pairs = list(zip(free, admitted))
         # "fixed": each prompt alone, so that its arithmetic cannot depend on the others admitted with it.
         for group in [[pair] for pair in pairs] if self.batch_shape == "fixed" else [pairs] if pairs else []:
-            try:
-                logits = self._prefill(group)  # (n, V)
-            except Exception as err:
-                for _, request in group:
-                    request.finish("error", f"{type(err).__name__}: {err}")
-                    self.stats.finished["error"] += 1
-                continue
             for row, request in group:
                 self.slots[row] = request
                 self.positions[row] = len(request.prompt_ids)
-            self._choose({row: logits[i] for i, (row, _) in enumerate(group)})
+            try:
+                logits = self._prefill(group)  # (n, V)
+                self._choose({row: logits[i] for i, (row, _) in enumerate(group)})
+            except Exception as err:  # these requests end; the others run on
+                for row, _ in group:
+                    if self.slots[row] is not None:
+                        self._retire(row, "error", f"{type(err).__name__}: {err}")
 
     def _prefill(self, group: list[tuple[int, "Request"]]) -> torch.Tensor:
-        """Run the prompts of (row, request) pairs, filling their rows of the cache; each one's next-token logits (n, V)."""
+        """Run the prompts of (row, request) pairs into their rows of the cache; each one's next-token logits (n, V)."""
         prompts = [request.prompt_ids for _, request in group]
         self.stats.prompt_tokens += sum(map(len, prompts))
         device = self.tokens.device
@@ -352,8 +376,9 @@ class Engine:
         for row, logits in logits_by_row.items():
             request = self.slots[row]
             params = request.params
-            token = sample_next_token(logits[None, : self.vocab_size], params.temperature, params.top_k,
-                                      params.top_p, request.generator)  # (1,)
+            # On the CPU, where the request's generator is (a seed then gives the same tokens on any device).
+            token = sample_next_token(logits[None, : self.vocab_size].float().cpu(), params.temperature,
+                                      params.top_k, params.top_p, request.generator)  # (1,)
             self.tokens[row] = token
             token_id = int(token)
             self.stats.tokens += 1
@@ -411,4 +436,4 @@ class EngineStats:
             seconds = sorted(self.first_token_seconds)
         if not seconds:
             return {}
-        return {q: seconds[min(len(seconds) - 1, int(q * len(seconds)))] for q in quantiles}
+        return {q: seconds[max(0, math.ceil(q * len(seconds)) - 1)] for q in quantiles}  # nearest rank

@@ -62,7 +62,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator takes
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
@@ -132,7 +132,8 @@ def bearer_key(request: Request, api_keys: Sequence[str]) -> str:
     if not api_keys:
         return request.client.host if request.client else "anonymous"
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in api_keys):
+    given = key.strip().encode()  # bytes: compare_digest refuses str with non-ASCII characters
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k.encode()) for k in api_keys):
         raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
                        "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return key.strip()
@@ -277,6 +278,8 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
                 handle.cancel()
         if event.finish_reason == "error":
             raise APIError(500, f"generation failed: {event.error}", "server_error")
+        if event.finish_reason == "cancelled":  # not by this client: the server is stopping
+            raise APIError(503, "the server is shutting down; retry shortly", "server_shutting_down")
         return JSONResponse(whole(ident, kind, "".join(text), event))
 
     def whole(ident: str, kind: str, text: str, last: Event) -> dict:
@@ -314,9 +317,11 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
                 out = []
                 for event in batch:
                     finished = event.finish_reason is not None
-                    if event.finish_reason == "error":
-                        out.append(data({"error": {"message": f"generation failed: {event.error}",
-                                                   "type": "server_error", "param": None, "code": "server_error"}}))
+                    if event.finish_reason in ("error", "cancelled"):  # cancelled, not by us: the server is stopping
+                        message = (f"generation failed: {event.error}" if event.finish_reason == "error"
+                                   else "the server is shutting down; retry shortly")
+                        out.append(data({"error": {"message": message, "type": "server_error", "param": None,
+                                                   "code": "server_error"}}))
                         break
                     if event.text:
                         out.append(chunk(event.text))

@@ -168,7 +168,7 @@ def test_the_page_streams_replies_and_sends_the_whole_conversation():
         model = httpx.get(f"{url}/v1/models", timeout=WAIT_S).json()["data"][0]["id"]
         driver.get(url + "/")
         wait_for_model(driver, model)
-        assert by_id(driver, "max-tokens").get_attribute("value") == "128"
+        assert by_id(driver, "max-tokens").get_attribute("value") == ""  # none sent: all the room the context leaves
         assert by_id(driver, "temperature").get_attribute("value") == "0"
         assert not by_id(driver, "stop").is_enabled()
         # Short replies: the conversation must fit a small model's context (the bundled one's is 256 tokens).
@@ -213,10 +213,10 @@ def test_the_page_streams_replies_and_sends_the_whole_conversation():
         wait_for_reply(driver, 1)
         assert recorder.from_page()[-1]["body"]["messages"] == [{"role": "user", "content": "Fresh start"}]
 
-        # Stop, in a new chat with room for a long reply: it ends where it was, is kept, and the page is ready.
+        # Stop, in a new chat with max tokens left blank (none sent: the reply may fill the context), so a long
+        # reply: it ends where it was, is kept, and the page is ready.
         by_id(driver, "new-chat").click()
         max_tokens.clear()
-        max_tokens.send_keys("180")
         by_id(driver, "message").send_keys("Tell me about the sea.")
         by_id(driver, "send").click()
         wait(driver, lambda d: (turns(d, "assistant") and content(turns(d, "assistant")[0]) != "")
@@ -224,6 +224,7 @@ def test_the_page_streams_replies_and_sends_the_whole_conversation():
         by_id(driver, "stop").click()
         stopped = wait_for_reply(driver, 1)
         assert not by_id(driver, "stop").is_enabled()
+        assert "max_tokens" not in recorder.from_page()[-1]["body"]
         full = reference_reply(url, recorder.from_page()[-1]["body"])
         assert 0 < len(stopped) < len(full) and full.startswith(stopped), (stopped, full)
         assert content(by_id(driver, "status")) == "Stopped."

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from llmscratch.attention import KVCache, positions_mask
 from llmscratch.cli import DEFAULT_MODELS
-from llmscratch.engine import Engine, QueueFull, SamplingParams, StopText
+from llmscratch.engine import Engine, QueueFull, Request, SamplingParams, StopText
 from llmscratch.generate import decode_one_token, generate, prefill
 from llmscratch.instruct import format_chat, format_prompt
 from llmscratch.model import GPT, GPTConfig
@@ -310,13 +310,72 @@ def test_the_queue_is_bounded_and_bad_requests_are_refused_at_the_door(base):
         Engine(model, tokenizer, batch_shape="padded")
 
 
+class WithoutEndOfText:
+    """A tokenizer as the engine sees it, with no end-of-text id: a request can only end at its length."""
+
+    eot_token = None
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.n_vocab = tokenizer.n_vocab
+
+    def encode(self, text):
+        return self.tokenizer.encode(text)
+
+    def decode_bytes(self, ids):
+        return self.tokenizer.decode_bytes(ids)
+
+
 def test_a_request_that_fills_the_context_exactly_ends_at_its_length(base):
     model, tokenizer = base
-    prompt = tokenizer.encode("Call me Ishmael.")
-    room = model.config.context_length - len(prompt)
-    engine = Engine(model, tokenizer, max_slots=1)
-    result = submit_all(engine, ["Call me Ishmael."], [SamplingParams(max_tokens=room)], tokenizer)[0]
-    assert result.finish_reason in ("length", "stop") and len(result.token_ids) <= room
+    prompt = "Call me Ishmael."
+    room = model.config.context_length - len(tokenizer.encode(prompt))
+    plain = WithoutEndOfText(tokenizer)
+    result = submit_all(Engine(model, plain, max_slots=2), [prompt], [SamplingParams(max_tokens=room)], plain)[0]
+    assert result.finish_reason == "length" and len(result.token_ids) == room
+
+
+def test_a_request_whose_first_sample_fails_ends_in_an_error_and_the_thread_serves_on(base):
+    model, tokenizer = base
+    engine = Engine(model, tokenizer, max_slots=2)
+    prefill = engine._prefill
+    engine._prefill = lambda group: torch.full((len(group), model.config.vocab_size), float("nan"))
+    with engine:
+        failed = engine.submit(tokenizer.encode("Call me"), SamplingParams(max_tokens=5, temperature=1.0, seed=0))
+        assert failed.result(timeout=60).finish_reason == "error"
+        engine._prefill = prefill
+        after = engine.submit(tokenizer.encode("Ahab"), SamplingParams(max_tokens=5, temperature=1.0, seed=0))
+        assert after.result(timeout=60).finish_reason == "length"
+        assert engine._thread.is_alive() and engine.running == 0
+
+
+def test_a_waiting_request_whose_client_left_gives_its_place_to_the_next(base):
+    model, tokenizer = base
+    engine = Engine(model, tokenizer, max_slots=1, max_waiting=1)
+    gone = engine.submit([1, 2], SamplingParams(max_tokens=1))
+    gone.cancel()
+    running = engine.submit([1, 2], SamplingParams(max_tokens=50))  # not QueueFull: the place was free again
+    assert gone.events.get_nowait().finish_reason == "cancelled" and engine.queued == 1
+    engine.step()  # running takes the only row
+    waiting = engine.submit([3, 4], SamplingParams(max_tokens=5))
+    waiting.cancel()
+    engine.step()  # no row is free, yet the request that left is out of the queue at once
+    assert engine.slots == [running] and engine.queued == 0
+    assert waiting.events.get_nowait().finish_reason == "cancelled"
+
+
+def test_text_after_a_stop_string_never_leaks_even_half_a_character():
+    class Bytes:  # a tokenizer whose token 0 is "X" and the first two bytes of "€"
+        eot_token = None
+
+        def decode_bytes(self, ids):
+            return b"X\xe2\x82"
+
+    request = Request([1], SamplingParams(max_tokens=3, stop=("X",)), None, Bytes())
+    assert request.add_token(0, eos_id=None) == "stop"
+    request.finish("stop")
+    events = [request.events.get_nowait() for _ in range(request.events.qsize())]
+    assert "".join(e.text for e in events) == "" and events[-1].finish_reason == "stop"
 
 
 # --------------------------------------------------------------------------- text and stop strings
@@ -355,9 +414,11 @@ def test_a_chat_of_one_turn_is_the_instruction_prompt_and_bad_chats_are_named():
         {"instruction": "Name a whale.", "input": ""})
     two = format_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}])
-    assert two == "Be brief.\n\n### Instruction:\nHi\n\n### Response:\nHello\n\n### Instruction:\nBye\n\n### Response:\n"
+    assert two == ("Be brief.\n\n### Instruction:\nHi\n\n### Response:\nHello\n\n"
+                   "### Instruction:\nBye\n\n### Response:\n")
     for messages, message in [([{"role": "assistant", "content": "x"}], "must answer a user"),
-                              ([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}], "only come first"),
+                              ([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}],
+                               "only come first"),
                               ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
                                "last message must be the user's"),
                               ([{"role": "tool", "content": "x"}], "role 'tool'")]:

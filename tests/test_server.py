@@ -140,6 +140,9 @@ def test_keys_are_required_when_set_and_the_rate_limit_answers_429_with_retry_af
     with running_server(app) as url:
         with pytest.raises(openai.AuthenticationError, match="Authorization: Bearer"):
             client(url, "wrong").models.list()
+        not_ascii = {"Authorization": "Bearer \xe9t\xe9".encode("latin-1")}
+        odd = httpx.get(f"{url}/v1/models", headers=not_ascii, timeout=TIMEOUT)
+        assert odd.status_code == 401  # a key outside ASCII is refused like any other wrong key
         bare = httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": "x"}, timeout=TIMEOUT)
         assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200  # health and metrics stay open
@@ -181,6 +184,7 @@ def test_a_full_queue_answers_503_at_once(base):
     ({"model": "base", "prompt": "whale " * 300, "max_tokens": 1}, 400, "context is 256 tokens"),
     ({"model": "base", "prompt": "x", "temperature": "hot"}, 422, "temperature"),
     ({"model": "base", "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ({"model": "base", "prompt": "x", "seed": 10**23}, 422, "seed"),
     ({"model": "base", "prompt": [99999]}, 400, "outside 0..4095"),
     ({"model": "base", "messages": []}, 422, "messages"),
     ({"model": "base", "messages": [{"role": "robot", "content": "x"}]}, 422, "role"),
@@ -279,6 +283,7 @@ def test_serve_py_serves_with_a_key_from_the_environment_until_stopped():
     (["--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond this machine: give --api-key"),
     (["--model", "nowhere.safetensors"], "--model nowhere.safetensors: no such file"),
     (["--max-slots", "0"], "--max-slots must be at least 1"),
+    (["--rate-limit", "0"], "--rate-limit must be at least 1"),
     (["--port", "70000"], "--port must be between 1 and 65535"),
 ])
 def test_serve_py_refuses_bad_flags_by_name(argv, words, capsys, monkeypatch):
