@@ -353,7 +353,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():
-        return HTMLResponse((importlib.resources.files("llmscratch.assets") / "chat.html").read_text("utf-8"))
+        return HTMLResponse((importlib.resources.files("llmscratch") / "chat.html").read_text("utf-8"))
 
     return app
 

@@ -1,4 +1,4 @@
-"""The chat page (llmscratch/assets/chat.html) in a real browser: Debian's Chromium, headless, driven by Selenium,
+"""The chat page (llmscratch/chat.html) in a real browser: Debian's Chromium, headless, driven by Selenium,
 against a server under test on loopback (tests/serving.py).
 
 What the page must do, seen from outside: show the model's name, stream a reply into the conversation as it comes,
@@ -37,7 +37,6 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver")
 API_KEY = "sk-test-0123456789"
 WAIT_S = 60  # the longest any single wait may take
-PAGE = Path(__file__).resolve().parent.parent / "llmscratch" / "assets" / "chat.html"
 
 
 # ----------------------------------------------------------------------------------------------------------------
