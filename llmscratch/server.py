@@ -50,7 +50,9 @@ class APIError(Exception):
 
 # --------------------------------------------------------------------------- the requests
 class _Sampling(BaseModel):
-    """The fields both endpoints share. Unknown fields are ignored, as OpenAI's own server ignores them."""
+    """The fields both endpoints share. Fields this server does not know are ignored (as vLLM's server does),
+    so a client that sends more of OpenAI's options still gets an answer. Those below that this server cannot
+    honour (n > 1, penalties, logprobs; echo and best_of for completions) are refused rather than ignored."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
