@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import uvicorn
 
 
@@ -46,7 +45,3 @@ def running_server(app, start_timeout: float = 30.0, stop_timeout: float = 30.0)
             thread.join(5)
             raise TimeoutError(f"the server under test did not stop within {stop_timeout:.0f} s")
 
-
-def get(url: str, **kwargs) -> httpx.Response:
-    """One GET with a short deadline (a test never waits on a silent server)."""
-    return httpx.get(url, timeout=kwargs.pop("timeout", 30.0), **kwargs)
