@@ -29,12 +29,14 @@ from llmscratch.finetune import (
     ADAPTERS_FILE, FinetuneConfig, check_trainable, end_of_text_id, fit, fit_and_save, load_base, set_trainable,
 )
 from llmscratch.instruct import (
-    MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records, lm_loss, make_batches, read_instruction_splits,
-    response_loss, score_answers,
+    MAX_NEW_TOKENS, Replay, answers_jsonl, comparison_table, encode_records, lm_loss_with_replay, make_batches,
+    read_instruction_splits, response_loss, score_answers,
 )
+from llmscratch.report import held_out_moby_dick, held_out_scores, moby_dick_training_text
 from llmscratch.runfolder import save_or_rescue
 
 DEFAULTS = FinetuneConfig(epochs=8, batch_size=8, lr=1e-3, trainable="all")
+REPLAY_WINDOWS, REPLAY_LENGTH = 0, 128  # pretraining windows per batch, and their tokens
 MODEL_FILE, METRICS_FILE = "model.safetensors", "metrics.json"
 TABLE_FILE, ANSWERS_FILE = "comparison.md", "answers.jsonl"
 OUTPUTS = (MODEL_FILE, ADAPTERS_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE)  # what a run leaves in --out-dir
@@ -50,6 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="learn the prompt tokens too (default: mask them, so only the response is learned)")
     parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
                         help="longest answer generated per test prompt")
+    parser.add_argument("--replay", type=int, default=REPLAY_WINDOWS, metavar="WINDOWS",
+                        help="windows of the pretraining text (the first 90%% of Moby-Dick) mixed into each batch, "
+                             "each learned like the base learned it, so that finetuning does not erase the "
+                             "language model; 0: none")
+    parser.add_argument("--replay-length", type=int, default=REPLAY_LENGTH,
+                        help="tokens per replayed window (at most the model's context length)")
     add_out_dir_flags(parser, Path("runs/instructions"), holds=", ".join(OUTPUTS))
     parser.add_argument("--test-mode", action="store_true",
                         help="a smoke test in seconds: 2 training records per family, 1 epoch, "
@@ -58,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_finetune_flags(parser, args)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.replay < 0 or args.replay_length < 1:
+        parser.error(f"--replay must be 0 or more and --replay-length at least 1, got {args.replay} and "
+                     f"{args.replay_length}")
     if args.test_mode:
         args.max_new_tokens = min(args.max_new_tokens, 8)
     return args
@@ -69,6 +80,17 @@ def main(argv=None) -> None:
         status = run(args, finetune_config(args))
     if status:
         sys.exit(status)
+
+
+def replay_of(args: argparse.Namespace, tokenizer, context_length: int, seed: int) -> Replay | None:
+    """The pretraining windows to replay (--replay), or None; a window longer than the context is refused."""
+    if not args.replay:
+        return None
+    if args.replay_length > context_length:
+        raise ValueError(f"--replay-length {args.replay_length} is longer than the model's context_length "
+                         f"{context_length}")
+    tokens = tokenizer.encode(moby_dick_training_text(), disallowed_special=())
+    return Replay(tokens, args.replay, args.replay_length, seed)
 
 
 def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
@@ -90,26 +112,38 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
     dtype = config.torch_dtype
 
     progress = not args.no_progress
+    windows = 2 if args.test_mode else None  # of the held-out novel
+
+    def novel_bits_per_byte() -> float:  # what the model still knows of the text it was pretrained on
+        return held_out_scores(model, tokenizer, held_out_moby_dick(), args.device, max_windows=windows)[
+            "bits_per_byte"]["value"]
+
     base_scores, base_answers = score_answers(model, tokenizer, splits["test"], encoded["test"], eos_id,
                                               args.max_new_tokens, dtype, progress)  # before any change
-    print(f"base model: exact match {base_scores['exact_match']:.1%}, "
-          f"response loss {base_scores['response_loss']:.3f}")
+    base_scores["bits_per_byte"] = novel_bits_per_byte()
+    print(f"base model: exact match {base_scores['exact_match']:.1%}, response loss "
+          f"{base_scores['response_loss']:.3f}, {base_scores['bits_per_byte']:.3f} bits per byte on the held-out novel")
 
     trainable = set_trainable(model, config, always=[] if config.trainable == "lora" else [model.lm_head])
     print(f"training {trainable:,} parameters ({config.trainable})")
     mask_prompt = not args.train_on_prompt
     validation = encoded["validation"]
+    replay = replay_of(args, tokenizer, max_length, config.seed)
+
+    def batches(epoch: int) -> list:
+        tasks = make_batches(encoded["train"], config.batch_size, eos_id, mask_prompt, max_length,
+                             shuffle_seed=config.seed + epoch)
+        return [(task, replay.batch() if replay else None) for task in tasks]
+
     history, stopped = fit_and_save(
-        model, lambda stop: fit(model, lambda epoch: make_batches(encoded["train"], config.batch_size, eos_id,
-                                                                  mask_prompt, max_length,
-                                                                  shuffle_seed=config.seed + epoch),
-                                lm_loss, config, args.device,
-                                evaluate=(lambda: {"response_loss": response_loss(
-                                    model, validation, eos_id, max_length=max_length, dtype=dtype)})
-                                if validation else None,
+        model, lambda stop: fit(model, batches, lm_loss_with_replay, config, args.device,
+                                evaluate=lambda: {"bits_per_byte": novel_bits_per_byte(), **({"response_loss": (
+                                    response_loss(model, validation, eos_id, max_length=max_length, dtype=dtype))}
+                                    if validation else {})},
                                 progress=progress, description="instructions", stop=stop),
         args.out_dir, MODEL_FILE, lambda path: export_model(model, path, tokenizer), OUTPUTS)
     metrics = {"base": base_scores, "history": history, "trainable_parameters": trainable, "mask_prompt": mask_prompt,
+               "replay": {"windows": args.replay, "length": replay.length if replay else None},
                "base_model": str(args.base), "config": {**vars(config), "lora": vars(config.lora)}}
     if stopped is not None:  # Ctrl-C: the model so far is saved; its answers are not scored
         save_or_rescue(args.out_dir, lambda folder: write_json_atomically(folder / METRICS_FILE, {
@@ -119,6 +153,7 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
         return stopped.exit_status
     scores, answers = score_answers(model, tokenizer, splits["test"], encoded["test"], eos_id, args.max_new_tokens,
                                     dtype, progress)
+    scores["bits_per_byte"] = novel_bits_per_byte()
     seconds = time.perf_counter() - start
     table = comparison_table({"base": base_scores, "finetuned": scores})
 

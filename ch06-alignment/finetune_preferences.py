@@ -16,7 +16,6 @@ model.safetensors (LoRA merged; with LoRA, adapters.safetensors too).
 """
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from llmscratch.atomic import write_json_atomically, write_text_atomically
 from llmscratch.checkpoint import export_model
 from llmscratch.cli import (
     HelpFormatter, add_flags, add_lora_flags, add_out_dir_flags, check_in_files, check_out_dir, finetune_config, refuse,
-    run_folder, value_errors_exit,
+    run_folder, starting_model, value_errors_exit,
 )
 from llmscratch.config import DPOConfig
 from llmscratch.device import resolve_device
@@ -45,15 +44,6 @@ DEFAULTS = DPOConfig(epochs=2, batch_size=8, lr=2e-5, beta=0.1, trainable="all")
 MODEL_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE, PLOT_FILE = (
     "model.safetensors", "metrics.json", "comparison.md", "answers.jsonl", "dpo.png")
 OUTPUTS = (MODEL_FILE, ADAPTERS_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE, PLOT_FILE)  # what a run leaves
-
-
-def train_instruction_model(argv: list[str]) -> None:
-    """Run ch05-finetuning/finetune_instructions.py with ``argv`` (it trains the model this script starts from)."""
-    script = Path(__file__).resolve().parents[1] / "ch05-finetuning" / "finetune_instructions.py"
-    status = subprocess.run([sys.executable, str(script), *argv], check=False).returncode
-    if status != 0:  # its own message is printed above
-        raise ValueError(f"{script.name} {' '.join(argv)} failed (exit status {status}), so there is no model to "
-                         "start from")
 
 
 # --------------------------------------------------------------------------- flags
@@ -107,18 +97,6 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.max_new_tokens = min(args.max_new_tokens, 8)
 
 
-def starting_model(args: argparse.Namespace, train=train_instruction_model) -> Path:
-    """--model, trained first by ch05's script if it is the default and absent (in test mode: a test-mode model)."""
-    if args.model.exists():
-        return args.model
-    folder = args.out_dir / "instructions" if args.test_mode else args.model.parent
-    print(f"{args.model} does not exist: training it with ch05-finetuning/finetune_instructions.py "
-          f"--out-dir {folder} first")
-    extra = ["--test-mode"] * args.test_mode + ["--no-progress"] * args.no_progress
-    train(["--out-dir", str(folder), "--data", str(args.instructions), *extra])
-    return folder / "model.safetensors"
-
-
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -133,7 +111,7 @@ def run(args: argparse.Namespace, config: DPOConfig) -> int:
     torch.manual_seed(config.seed)
     pair_splits = read_pairs(args.data, args.test_mode)
     instructions = read_instruction_splits(args.instructions, args.test_mode)["test"]
-    model_path = starting_model(args)
+    model_path = starting_model(args.model, DEFAULT_MODEL, args)
     model, tokenizer = load_base(model_path, args.device)
     check_trainable(model, config)
     eos_id, context, dtype = end_of_text_id(tokenizer), model.config.context_length, config.torch_dtype

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from llmscratch.runfolder import FolderInUse, claim, file_problem, folder_proble
 
 __all__ = ["HelpFormatter", "add_finetune_flags", "add_flags", "add_lora_flags", "add_out_dir_flags", "build_config",
            "check_finetune_flags", "check_in_files", "check_out_dir", "check_out_files", "finetune_config",
-           "finite_float", "refuse", "resolve_model", "run_folder", "run_script", "value_errors_exit"]
+           "finite_float", "refuse", "resolve_model", "run_folder", "run_script", "starting_model", "value_errors_exit"]
 
 FLOAT32_MAX = 3.4028234663852886e38  # the weights' precision: a larger learning rate overflows in the optimizer
 
@@ -64,8 +65,8 @@ def add_flags(parser, defaults, *names: str, prefix: str = "") -> list[argparse.
         declaration = declared[name]
         kind = next(t for t in types_of(declaration.type) if t is not type(None))  # int for int | None
         options = {"default": getattr(defaults, name), "help": declaration.metadata["help"]}
-        if kind is bool:
-            options["action"] = "store_true"
+        if kind is bool:  # a default of True needs its --no- form to be turned off
+            options["action"] = argparse.BooleanOptionalAction if options["default"] else "store_true"
         else:
             options.update(type=finite_float if kind is float else kind, choices=declaration.metadata["choices"])
         actions.append(parser.add_argument(flag(prefix + name), **options))
@@ -255,3 +256,27 @@ def resolve_model(spec: str) -> tuple[str, Path]:
     if path.is_dir() and (path / "classifier.pt").is_file():
         path = path / "classifier.pt"
     return label or (path.parent.name if path.is_file() else path.name) or str(path), path
+
+
+def train_instruction_model(argv: list[str]) -> None:
+    """Run ch05-finetuning/finetune_instructions.py with ``argv`` (it trains the model chapter 6 starts from)."""
+    script = Path(__file__).resolve().parents[1] / "ch05-finetuning" / "finetune_instructions.py"
+    status = subprocess.run([sys.executable, str(script), *argv], check=False).returncode
+    if status != 0:  # its own message is printed above
+        raise ValueError(f"{script.name} {' '.join(argv)} failed (exit status {status}), so there is no model to "
+                         "start from")
+
+
+def starting_model(model: Path, default: Path, args: argparse.Namespace, train=train_instruction_model) -> Path:
+    """A chapter-6 script's --model: ``model`` if it exists; else (it is ``default``) trained first by chapter 5's
+    script, in its usual folder (in --test-mode: a test-mode model in ``args.out_dir``/instructions). ``args``
+    gives --out-dir, --instructions, --test-mode and --no-progress."""
+    if model.exists():
+        return model
+    if model != default:
+        raise ValueError(f"--model {model}: no such file or folder")
+    folder = args.out_dir / "instructions" if args.test_mode else model.parent
+    print(f"{model} does not exist: training it with ch05-finetuning/finetune_instructions.py --out-dir {folder} first")
+    extra = ["--test-mode"] * args.test_mode + ["--no-progress"] * args.no_progress
+    train(["--out-dir", str(folder), "--data", str(args.instructions), *extra])
+    return folder / "model.safetensors"

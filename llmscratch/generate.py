@@ -112,6 +112,7 @@ def stream(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
     compile: bool | str = False,
+    samples_per_prompt: int = 1,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, a LongTensor (B,), for up to max_new_tokens steps.
 
@@ -130,6 +131,9 @@ def stream(
     compile="cuda-graphs" (a model on a CUDA device only) also replays the compiled step as one
     CUDA graph: one launch per token instead of one per kernel, which is most of a small model's
     batch-1 step on a GPU.
+    samples_per_prompt: continue each prompt that many times (rows b * n .. b * n + n - 1 are prompt
+    b's), as idx.repeat_interleave(n, dim=0) would, but with each prompt prefilled once and its cache
+    shared: what sampling several answers to one prompt (``llmscratch.grpo``) needs.
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
@@ -139,13 +143,15 @@ def stream(
     idx = _check_prompt(model, idx)
     pad_id = eos_id if pad_id is None else pad_id
     _check_request(model.config, max_new_tokens, eos_id, pad_id, vocab_size)
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be at least 1, got {samples_per_prompt}")
 
     def choose(logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
         return sample_next_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)
 
     cuda_graphs = compile == "cuda-graphs"
     step = compiled_decode_one_token(cuda_graphs, device) if compile else decode_one_token
-    return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step, cuda_graphs)
+    return _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step, cuda_graphs, samples_per_prompt)
 
 
 def check_compile(compile: bool | str, device: torch.device) -> None:
@@ -250,7 +256,7 @@ def _compile_decode_one_token(cuda_graphs: bool, plain_math: bool) -> Callable[.
 
 @torch.inference_mode()  # on a generator function, torch enters the mode around each step only
 def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step,
-            cuda_graphs: bool = False) -> Iterator[torch.Tensor]:
+            cuda_graphs: bool = False, samples: int = 1) -> Iterator[torch.Tensor]:
     """The decoding loop of ``stream``, on arguments it checked; choose(logits (B, V)) picks the ids (B,).
 
     step: ``decode_one_token`` or its compiled version; cuda_graphs: it replays a CUDA graph, which
@@ -259,7 +265,8 @@ def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step,
     if max_new_tokens == 0:
         return
     with evaluating(model):
-        batch_size, prompt_len = idx.shape
+        prompts, prompt_len = idx.shape
+        batch_size = prompts * samples
         context_length = model.config.context_length
         total_len = prompt_len + max_new_tokens
         # The cache holds every position the model is fed while the sequence fits in its context
@@ -268,16 +275,20 @@ def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step,
         # Past the cache, each step reads the last context_length tokens: only those are kept (a stream may be
         # as long as asked, its memory stays one window).
         slides = total_len - 1 > cache_len
-        recent = idx[:, -context_length:]  # (B, <= context_length)
+        recent = idx[:, -context_length:].repeat_interleave(samples, dim=0)  # (B, <= context_length)
         kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
         if kv_caches is not None and cuda_graphs:  # the graph writes them where they are, never a copy
             for cache in kv_caches:
                 torch._dynamo.mark_static_address(cache.keys)
                 torch._dynamo.mark_static_address(cache.values)
-        if kv_caches is not None:
-            logits = prefill(model, idx, kv_caches)  # (B, V)
+        if kv_caches is not None:  # each prompt once, into the first rows; then copied to its samples' rows
+            logits = prefill(model, idx, [cache.rows(0, prompts) for cache in kv_caches])  # (b, V)
+            for cache in kv_caches if samples > 1 else ():
+                cache.keys.copy_(cache.keys[:prompts].repeat_interleave(samples, dim=0))
+                cache.values.copy_(cache.values[:prompts].repeat_interleave(samples, dim=0))
         else:
-            logits = model(idx[:, -context_length:])[:, -1]  # (B, V)
+            logits = model(idx[:, -context_length:])[:, -1]  # (b, V)
+        logits = logits.repeat_interleave(samples, dim=0)  # (B, V)
         input_pos = torch.tensor([prompt_len], device=idx.device)  # (1,): where the next token is fed
         finished = torch.zeros(batch_size, dtype=torch.bool, device=idx.device)  # (B,)
         for length in range(prompt_len + 1, total_len + 1):  # tokens so far, the new one included
@@ -305,6 +316,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **options) -> t
     the step at which the last row finished, and earlier-finished rows are padded with pad_id.
     """
     new_tokens = list(stream(model, idx, max_new_tokens, **options))
+    idx = idx.repeat_interleave(options.get("samples_per_prompt", 1), dim=0)  # (B, T): a row per sample
     if not new_tokens:
         return idx.clone()
     # Outside inference_mode: the result is an ordinary tensor, free to be modified in place.

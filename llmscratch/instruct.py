@@ -177,6 +177,36 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return model(inputs, targets=targets)  # () no (B, T, V) logits kept (llmscratch.losses)
 
 
+class Replay:
+    """Windows of pretraining text to mix into each finetuning batch (experience replay): the model keeps
+    predicting the text it learned first, and so does not forget it while it learns the new task.
+
+    ``tokens``: the pretraining text, encoded; each ``batch()`` is ``windows`` random windows of
+    ``length`` + 1 tokens as (inputs, targets) (windows, length), drawn from a seeded generator.
+    """
+
+    def __init__(self, tokens: Sequence[int], windows: int, length: int, seed: int):
+        if windows < 1 or length < 1:
+            raise ValueError(f"replay needs at least one window of one token, got {windows} of {length}")
+        if len(tokens) < length + 1:
+            raise ValueError(f"the replay text has {len(tokens)} tokens, fewer than a window of {length} + 1")
+        self.tokens = torch.as_tensor(tokens, dtype=torch.long)
+        self.windows, self.length = windows, length
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(len(self.tokens) - self.length, (self.windows,), generator=self.generator).tolist()
+        rows = torch.stack([self.tokens[start : start + self.length + 1] for start in starts])  # (W, L + 1)
+        return rows[:, :-1], rows[:, 1:]  # (W, L), (W, L)
+
+
+def lm_loss_with_replay(model: nn.Module, batch: tuple[tuple[torch.Tensor, torch.Tensor],
+                                                        tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+    """``lm_loss`` of a finetuning batch plus, when the batch carries one, that of its replayed windows."""
+    task, replayed = batch
+    return lm_loss(model, task) + (lm_loss(model, replayed) if replayed is not None else 0.0)
+
+
 @torch.no_grad()
 def response_loss(model: nn.Module, encoded: Sequence[tuple[list[int], list[int]]], eos_id: int,
                   batch_size: int = 16, max_length: int | None = None, dtype: torch.dtype = torch.float32) -> float:
@@ -360,7 +390,8 @@ def model_answers(path: Path, records: Sequence[dict], command: str, progress: b
 def comparison_table(results: dict[str, dict]) -> str:
     """A Markdown table, one column per model: exact match per family, overall, well-formed, loss.
 
-    results maps a model's name to ``evaluate_responses``'s dict, optionally with "response_loss".
+    results maps a model's name to ``evaluate_responses``'s dict, optionally with "response_loss" and
+    "bits_per_byte" (on the held-out novel: what the model still knows of the text it was pretrained on).
     """
     def row(label: str, cells) -> str:
         return f"| {label} | " + " | ".join(cells) + " |"
@@ -374,4 +405,6 @@ def comparison_table(results: dict[str, dict]) -> str:
     lines.append(row("well-formed answers", (f"{results[n]['well_formed']:.1%}" for n in names)))
     if all("response_loss" in r for r in results.values()):
         lines.append(row("held-out response loss", (f"{results[n]['response_loss']:.3f}" for n in names)))
+    if all("bits_per_byte" in r for r in results.values()):
+        lines.append(row("bits per byte, held-out Moby-Dick", (f"{results[n]['bits_per_byte']:.3f}" for n in names)))
     return "\n".join(lines)

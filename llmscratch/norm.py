@@ -15,7 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 even for bf16 inputs: the mean of squares loses precision in 8 mantissa bits.
-        x32 = x.float()
+        # In float32 even for bf16 inputs: the mean of squares loses precision in 8 mantissa bits (and
+        # float64 stays float64: a float64 model is a reference, all of it in float64).
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
         return self.weight * normed.to(x.dtype)

@@ -143,26 +143,34 @@ def make_pair_batches(pairs: Sequence[Pair], batch_size: int, eos_id: int, max_l
 
 
 # --------------------------------------------------------------------------- log-probabilities
-def sequence_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probability of each row's targets, and how many there are: (N,) and (N,).
+def token_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each target token, 0 where the target is IGNORE_INDEX: (N, T).
 
-    inputs and targets (N, T) as ``collate_pairs`` makes them; IGNORE_INDEX targets (prompt,
-    padding) count for nothing. The log-softmax runs in float32 (float64 for a float64 model)
-    even when the logits come out of autocast in bfloat16. A row with no target is a ValueError.
+    inputs and targets (N, T) as ``collate_pairs`` makes them. The log-softmax runs in float32
+    (float64 for a float64 model) even when the logits come out of autocast in bfloat16.
     Clarity first: the whole (N, T, V) logits are made, as ``model(inputs)`` makes them.
     """
     if targets.shape != inputs.shape:
         raise ValueError(f"targets must have the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
     keep = targets != IGNORE_INDEX  # (N, T)
-    counts = keep.sum(dim=-1)  # (N,)
-    if not counts.all():
-        raise ValueError(f"row {int((counts == 0).nonzero()[0])} has no response token to score "
-                         f"(all of its targets are {IGNORE_INDEX})")
     logits = model(inputs)  # (N, T, V)
     wide = torch.promote_types(logits.dtype, torch.float32)
     logp = torch.log_softmax(logits.to(wide), dim=-1)  # (N, T, V)
     picked = logp.gather(-1, targets.masked_fill(~keep, 0).unsqueeze(-1)).squeeze(-1)  # (N, T)
-    return torch.where(keep, picked, 0.0).sum(dim=-1), counts  # (N,), (N,)
+    return torch.where(keep, picked, 0.0)  # (N, T)
+
+
+def sequence_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probability of each row's targets, and how many there are: (N,) and (N,).
+
+    ``token_logprobs``, summed per row; IGNORE_INDEX targets (prompt, padding) count for nothing.
+    A row with no target is a ValueError.
+    """
+    counts = (targets != IGNORE_INDEX).sum(dim=-1)  # (N,)
+    if not counts.all():
+        raise ValueError(f"row {int((counts == 0).nonzero()[0])} has no response token to score "
+                         f"(all of its targets are {IGNORE_INDEX})")
+    return token_logprobs(model, inputs, targets).sum(dim=-1), counts  # (N,), (N,)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -184,14 +192,19 @@ class ReferenceModel:
         self.shares_policy = bool(lora_layers(policy))
         self.model = policy if self.shares_policy else frozen_copy(policy)
 
-    @torch.no_grad()
     def logprobs(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``sequence_logprobs`` under the reference (dropout off): (N,) sums and (N,) counts."""
         if not self.shares_policy:
             self.model.to(inputs.device)  # follows the policy if fit() moved it; a no-op after the first time
-            return sequence_logprobs(self.model, inputs, targets)
+        return self.apply(sequence_logprobs, inputs, targets)
+
+    @torch.no_grad()
+    def apply(self, score, *args):
+        """score(the reference model, *args) with no gradient and dropout off: any scoring under the reference."""
+        if not self.shares_policy:
+            return score(self.model, *args)
         with evaluating(self.model), adapters_disabled(self.model):
-            return sequence_logprobs(self.model, inputs, targets)
+            return score(self.model, *args)
 
 
 def precompute_reference(reference: ReferenceModel, batches: Sequence[PreferenceBatch],

@@ -61,6 +61,11 @@ DELIMITERS = {"choices": "", "cloze": " "}
 UNCONDITIONAL = {"cloze": ""}
 
 
+def moby_dick_training_text(val_fraction: float = VAL_FRACTION) -> str:
+    """The first ``1 - val_fraction`` of Moby-Dick: the text the bundled model was pretrained on."""
+    return split_text(read_moby_dick(), val_fraction)[0]
+
+
 def held_out_moby_dick(text: str | None = None, val_fraction: float = VAL_FRACTION) -> str:
     """The last ``val_fraction`` of Moby-Dick (or of ``text``), cut by characters as ch04's pretrain.py cuts it."""
     if not 0 < val_fraction < 1:
@@ -124,17 +129,8 @@ def language_model_scores(model: nn.Module, tokenizer, benchmarks: Benchmarks, d
     scores: dict[str, dict | None] = {"spam_accuracy": None, "spam_f1": None}
     if benchmarks.held_out:
         with benchmark("held-out Moby-Dick (bits per byte)"):
-            tokens = np.array(tokenizer.encode(benchmarks.held_out, allowed_special="all"), dtype=np.int64)
-            context = model.config.context_length
-            max_tokens = None if benchmarks.max_windows is None else benchmarks.max_windows * context + 1
-            result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size,
-                              device, max_tokens=max_tokens)
-            usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-            predicted = (usable - 1) // context * context
-            scores["bits_per_byte"] = plain(result["bits_per_byte"], predicted)
-            # What a model that learned nothing pays: ln V nats for every token, whatever it is.
-            uniform = bits_per_byte(math.log(model.config.vocab_size), result["bytes_per_token"])
-            scores["uniform_bits_per_byte"] = plain(uniform, predicted)
+            scores.update(held_out_scores(model, tokenizer, benchmarks.held_out, device, batch_size,
+                                          benchmarks.max_windows))
     if benchmarks.instructions:
         with benchmark("instruction answers"):
             scores.update(instruction_scores(model, tokenizer, benchmarks.instructions, progress))
@@ -144,6 +140,23 @@ def language_model_scores(model: nn.Module, tokenizer, benchmarks: Benchmarks, d
             with benchmark(f"{name} (multiple choice)"):
                 scores.update(choice_scores(model, tokenizer, items, name, progress))
     return scores
+
+
+def held_out_scores(model: nn.Module, tokenizer, text: str, device: torch.device, batch_size: int = 16,
+                    max_windows: int | None = None) -> dict[str, dict]:
+    """The model's bits per byte on ``text`` (in windows of its context; the first ``max_windows`` only, if
+    given), and a uniform guess's over its vocabulary, as ``plain`` scores: "bits_per_byte", "uniform_bits_per_byte"."""
+    tokens = np.array(tokenizer.encode(text, allowed_special="all"), dtype=np.int64)
+    context = model.config.context_length
+    max_tokens = None if max_windows is None else max_windows * context + 1
+    result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size, device,
+                      max_tokens=max_tokens)
+    usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+    predicted = (usable - 1) // context * context
+    # What a model that learned nothing pays: ln V nats for every token, whatever it is.
+    uniform = bits_per_byte(math.log(model.config.vocab_size), result["bytes_per_token"])
+    return {"bits_per_byte": plain(result["bits_per_byte"], predicted),
+            "uniform_bits_per_byte": plain(uniform, predicted)}
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import random
 import re
 import string
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from llmscratch.assets import read_moby_dick
@@ -294,6 +294,32 @@ def make_records(per_family: int, seed: int) -> list[dict]:
             records.append({"instruction": instruction, "input": input_text, "output": output,
                             "family": family, "split": split})
     validate_records(records)  # an empty or malformed output stops the build here, not in training
+    return records
+
+
+def draw_prompts(per_family: int, seed: int, exclude: Iterable[dict] = ()) -> list[dict]:
+    """Up to per_family new records of every family, none with the prompt of a record in ``exclude``.
+
+    What reinforcement learning trains on: a checker needs only the family's answer, so prompts can be
+    drawn afresh, as many as the family has (a family with fewer distinct prompts gives all it has).
+    Keep the test and validation records out with ``exclude``; the order is seeded and mixed.
+    """
+    rng = random.Random(seed)
+    words = common_words()
+    banned = {key(r) for r in exclude}
+    records = []
+    for family, rules in FAMILIES.items():
+        seen: dict[tuple[str, str], str] = {}
+        repeats = 0
+        while len(seen) < per_family and repeats < STALLED:
+            instruction, input_text, output = rules.draw(rng, words)
+            fresh = (instruction, input_text) not in seen and (instruction, input_text) not in banned
+            repeats = 0 if fresh else repeats + 1
+            if fresh:
+                seen[(instruction, input_text)] = output
+        records += [{"instruction": i, "input": x, "output": o, "family": family, "split": "train"}
+                    for (i, x), o in seen.items()]
+    rng.shuffle(records)
     return records
 
 

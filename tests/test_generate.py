@@ -254,6 +254,25 @@ def test_sampling_is_reproducible_with_a_seed():
     assert torch.equal(sample(3, top_k=20, top_p=0.9), sample(3, top_k=20, top_p=0.9, use_cache=False))
 
 
+@pytest.mark.parametrize("kind", sorted(TINY))
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_samples_per_prompt_continue_each_prompt_as_its_repeated_rows_would(kind, use_cache):
+    model = tiny(kind).double()
+    idx = prompts(3, 5, model.config.vocab_size)
+
+    def sample(batch, **options):
+        return generate(model, batch, 30, temperature=1.3, eos_id=7, use_cache=use_cache,
+                        generator=torch.Generator().manual_seed(4), **options)  # 5 + 30 > 32: past the cache too
+
+    shared = sample(idx, samples_per_prompt=4)
+    assert shared.shape[0] == 12 and torch.equal(shared, sample(idx.repeat_interleave(4, dim=0)))
+    assert len({tuple(row) for row in shared[:4, 5:].tolist()}) > 1  # the samples of one prompt differ
+    greedy = generate(model, idx, 10, use_cache=use_cache, samples_per_prompt=2)
+    assert torch.equal(greedy, generate(model, idx, 10, use_cache=use_cache).repeat_interleave(2, dim=0))
+    with pytest.raises(ValueError, match="samples_per_prompt must be at least 1, got 0"):
+        generate(model, idx, 3, samples_per_prompt=0)
+
+
 # --------------------------------------------------------------------------- EOS and streaming
 CHAIN = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8, 8: 8}  # 8 repeats forever
 
