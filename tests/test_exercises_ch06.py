@@ -2,16 +2,20 @@
 
 import math
 from difflib import SequenceMatcher
+from fractions import Fraction
 
+import pytest
 import torch
 import torch.nn.functional as F
 from exercise_suite import ExerciseSuite, solutions
 
 from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
 from llmscratch.exercises import ch06
-from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, response_logprobs64,
-                                                  simpo_loss64, wilson64)
+from llmscratch.exercises.ch06_references import (clipped_objective64, dpo64, group_advantages64, ipo_loss64,
+                                                  longest_common_substring, response_logprobs64, simpo_loss64,
+                                                  wilson64)
 from llmscratch.exercises.fixtures import tiny_gpt
+from llmscratch.grpo import clipped_objective, group_advantages, pass_at_k
 from llmscratch.instruct import IGNORE_INDEX
 from llmscratch.preference import collate_pairs, dpo_loss, sequence_logprobs
 
@@ -159,6 +163,85 @@ def simpo_no_grad(policy, batch, beta, gamma):
         return sol.simpo_step_loss(policy, batch, beta, gamma)
 
 
+def advantages_with(**slip):
+    """group_advantages with one slip (float32, as a reader's would be)."""
+    return lambda rewards: group_advantages64(rewards, **slip).float()
+
+
+def advantages_patched_nan(rewards):
+    """No eps, the NaN of a group that scored alike replaced by 0 afterwards: 1e-4 off everywhere else."""
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    return torch.nan_to_num(centred / rewards.std(dim=-1, keepdim=True))
+
+
+def objective_with(**slip):
+    """clipped_objective with one slip, keeping the graph back to logprobs."""
+    def answer(logprobs, old_logprobs, advantages, clip):
+        values, grad = clipped_objective64(logprobs, old_logprobs, advantages, clip, **slip)
+        # the slip's values, and its gradient with respect to logprobs
+        return (values + grad * (logprobs - logprobs.detach())).float()
+    return answer
+
+
+def objective_detached(logprobs, old_logprobs, advantages, clip):
+    return sol.clipped_objective(logprobs.detach(), old_logprobs, advantages, clip)
+
+
+def objective_clip_detached(logprobs, old_logprobs, advantages, clip):
+    """The clipped term detached: torch.minimum splits the gradient where both terms are equal."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    gain = advantages[:, None]
+    return torch.minimum(ratio * gain, ratio.clamp(1 - clip, 1 + clip).detach() * gain)
+
+
+def pass_factorials(n, correct, k):
+    """C(n - c, k) by factorials, no guard: factorial(n - c - k) of a negative number raises."""
+    def comb(a, b):
+        return math.factorial(a) // (math.factorial(b) * math.factorial(a - b))
+    return 1 - comb(n - correct, k) / comb(n, k)
+
+
+def pass_float_factorials(n, correct, k):
+    """Factorials in floats: inf beyond 170!, so inf / inf = NaN."""
+    def factorial(m):
+        product = 1.0
+        for i in range(2, m + 1):
+            product *= i
+        return product
+    if n - correct < k:
+        return 1.0
+    comb = lambda a, b: factorial(a) / (factorial(b) * factorial(a - b))  # noqa: E731
+    return 1 - comb(n - correct, k) / comb(n, k)
+
+
+def pass_gamma(n, correct, k):
+    """Factorials by math.gamma: an OverflowError beyond 170!."""
+    if n - correct < k:
+        return 1.0
+    comb = lambda a, b: math.gamma(a + 1) / (math.gamma(b + 1) * math.gamma(a - b + 1))  # noqa: E731
+    return 1 - comb(n - correct, k) / comb(n, k)
+
+
+def pass_float_combs(n, correct, k):
+    """The binomials as floats: fine at n = 200, an OverflowError once C(n, k) passes 1e308."""
+    if n - correct < k:
+        return 1.0
+    return 1 - float(math.comb(n - correct, k)) / float(math.comb(n, k))
+
+
+def pass_float32(n, correct, k):
+    """The product form in float32: off by about 1e-7."""
+    if n - correct < k:
+        return 1.0
+    terms = 1 - k / torch.arange(n - correct + 1, n + 1, dtype=torch.float32)
+    return 1 - torch.prod(terms).item()
+
+
+def pass_guard(n, correct, k):
+    """The guard off by one: 1.0 already at n - c = k, where one draw of k holds no right answer."""
+    return 1.0 if n - correct <= k else sol.pass_at_k(n, correct, k)
+
+
 WRONG = [  # (exercise, wrong answer, the smallest failing input it must report, the hint it must get)
     ("preference_scores", scores_with(tie_wins=True), "chosen_rewards [0.0], rejected_rewards [0.0]", "a tie is a miss"),
     ("preference_scores", scores_with(count=True), "chosen_tokens [2, 5, 1]", "a share of the pairs"),
@@ -207,6 +290,41 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("simpo_step_loss", simpo_with(reduce="sum"), "lengths [(2, 3, 1), (4, 1, 2)]", "the mean over the pairs"),
     ("simpo_step_loss", simpo_with(use_reference=True), "precomputed reference_logprobs", "needs no reference"),
     ("simpo_step_loss", simpo_no_grad, "precomputed reference_logprobs", "keep the graph"),
+    ("group_advantages", advantages_with(over="batch"), "the second group's answers all scored alike",
+     "not by those of the whole batch"),
+    ("group_advantages", advantages_with(over="prompts"), "one prompt, two answers", "the group is a row"),
+    ("group_advantages", advantages_with(keepdim=False), "the second group's answers all scored alike", "keepdim"),
+    ("group_advantages", lambda r: (r - r.mean(-1)) / (r.std(-1) + 1e-4), "the second group's answers all scored",
+     "keepdim"),
+    ("group_advantages", advantages_with(correction=0), "one prompt, two answers", "Bessel's correction"),
+    ("group_advantages", advantages_with(eps=0.0), "one prompt, two answers", "not NaN (0 / 0)"),
+    ("group_advantages", advantages_patched_nan, "one prompt, two answers", "divide by the std + 1e-4"),
+    ("group_advantages", advantages_with(scaled=False), "one prompt, two answers", "GRPO scales the centred rewards"),
+    ("group_advantages", advantages_with(eps_inside=True), "one prompt, two answers", "outside the square root"),
+    ("clipped_objective", objective_with(combine="max"), "ratios 1.5 and 0.5", "not the max"),
+    ("clipped_objective", objective_with(combine="clipped only"), "ratios 1.5 and 0.5", "the clipped term alone"),
+    ("clipped_objective", objective_with(combine="unclipped"), "ratios 1.5 and 0.5", "r A alone keeps pushing"),
+    ("clipped_objective", objective_with(clipped="advantage"), "ratios 1.5 and 0.5", "not the advantage"),
+    ("clipped_objective", objective_with(clipped="product"), "ratios 1.5 and 0.5", "not clip(r A)"),
+    ("clipped_objective", objective_with(ratio="quotient"), "the ratio is 1): the gradient",
+     "not logprobs / old_logprobs"),
+    ("clipped_objective", objective_with(ratio="difference"), "the ratio is 1", "the log of the ratio"),
+    ("clipped_objective", objective_with(per_token=False), "ratios 1.5 and 0.5", "advantages[:, None]"),
+    ("clipped_objective", lambda lp, old, a, clip: sol.clipped_objective(lp, old, a, clip).mean(),
+     "the ratio is 1", "the shape is wrong"),
+    ("clipped_objective", objective_with(sign=-1.0), "the ratio is 1", "the loss is its negative"),
+    ("clipped_objective", objective_detached, "the ratio is 1): the gradient", "no .detach()"),
+    ("clipped_objective", objective_clip_detached, "the ratio is 1): the gradient", "keep the clipped term's graph"),
+    ("pass_at_k", lambda n, c, k: 1 - (1 - c / n) ** k, "pass_at_k(2, 1, 2)", "with replacement"),
+    ("pass_at_k", lambda n, c, k: c / n, "pass_at_k(2, 1, 2)", "pass@1, whatever k"),
+    ("pass_at_k", pass_guard, "pass_at_k(1, 0, 1)", "only when n - c < k"),
+    ("pass_at_k", pass_factorials, "pass_at_k(1, 1, 1)", "every draw of k holds a right answer"),
+    ("pass_at_k", lambda n, c, k: math.comb(n - c, k) / math.comb(n, k), "pass_at_k(1, 1, 1)", "1 minus it"),
+    ("pass_at_k", lambda n, c, k: math.comb(c, k) / math.comb(n, k), "pass_at_k(2, 1, 2)", "not that all are"),
+    ("pass_at_k", pass_float_factorials, "pass_at_k(200, 13, 10)", "n! overflows a float"),
+    ("pass_at_k", pass_gamma, "pass_at_k(200, 13, 10)", "n! overflows a float"),
+    ("pass_at_k", pass_float_combs, "pass_at_k(2000, 5, 1000)", "keep the binomials as Python ints"),
+    ("pass_at_k", pass_float32, "pass_at_k(", "compute in float64"),
 ]
 
 
@@ -236,6 +354,42 @@ def test_the_references_of_the_usual_mistakes_start_from_the_package():
     assert torch.allclose(simpo_loss64(expected, counts, 2.0, 0.5).float(), -F.logsigmoid(2.0 * margin - 0.5).mean())
 
 
+def test_the_grpo_references_start_from_the_package():
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randint(2, (5, 6), generator=generator) + 0.5 * torch.randint(2, (5, 6), generator=generator)
+    rewards[0] = 1.0  # a group that scored alike
+    assert torch.allclose(group_advantages64(rewards).float(), group_advantages(rewards), atol=1e-6)
+    assert torch.allclose(group_advantages64(rewards, scaled=False).float(), group_advantages(rewards, scale=False))
+    old = -torch.rand(4, 7, generator=generator) * 4
+    new = (old + 0.5 * torch.randn(4, 7, generator=generator)).requires_grad_()
+    advantages = torch.randn(4, generator=generator)
+    values, grad = clipped_objective64(new, old, advantages, 0.2)
+    expected = clipped_objective(new, old, advantages, 0.2)
+    assert torch.allclose(values.float(), expected.detach(), atol=1e-6)
+    assert torch.allclose(grad.float(), torch.autograd.grad(expected.sum(), new)[0], atol=1e-6)
+    # the package's product form against the exact fraction of the two binomials
+    for n, c, k in [(1, 0, 1), (5, 2, 3), (10, 7, 4), (200, 13, 150), (2000, 5, 1000), (2000, 1995, 3)]:
+        exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+        assert math.isclose(pass_at_k(n, c, k), float(exact), rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_the_grpo_cases_reach_the_edges_they_are_meant_to():
+    # a group that scored alike gets 0, not NaN; without eps it would be 0 / 0
+    assert group_advantages(torch.tensor([[1.0, 1.0]])).eq(0).all()
+    assert advantages_with(eps=0.0)(torch.tensor([[1.0, 1.0]])).isnan().all()
+    # ratios 1.5 and 0.5 with advantages 1.5 and -0.5: each of the four regions of the clip, the min picking both terms
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    new = (old + torch.tensor([[1.5, 0.5], [1.5, 0.5]]).log()).requires_grad_()
+    objective = clipped_objective(new, old, torch.tensor([1.5, -0.5]), 0.2)
+    (grad,) = torch.autograd.grad(objective.sum(), new)
+    assert torch.allclose(objective, torch.tensor([[1.8, 0.75], [-0.75, -0.4]]))
+    assert (grad == 0).tolist() == [[True, False], [False, True]]
+    # 200! is past a float, C(200, 100) is not; C(2000, 1000) is past it too
+    assert math.isnan(pass_float_factorials(200, 13, 10)) and math.isfinite(pass_float_combs(200, 13, 150))
+    with pytest.raises(OverflowError):
+        pass_float_combs(2000, 5, 1000)
+
+
 def test_the_cases_reach_the_edges_they_are_meant_to():
     assert sol.rouge_l_f1("", "x") == 0.0 and sol.rouge_l_f1("a b c d", "a c b d") == 0.75
     assert sol.wilson_bounds(0, 10)[0] == 0.0 and sol.wilson_bounds(10, 10)[1] == 1.0
@@ -253,3 +407,6 @@ def test_a_wrong_answer_that_returns_the_wrong_kind_of_thing_is_a_verdict_not_a_
     assert "keys" in verdict(lambda *args: [0.5], "preference_scores").detail
     assert "a number" in verdict(lambda p, r: "0.5", "rouge_l_f1").detail
     assert "ZeroDivisionError" in verdict(lambda *args: 1 / 0, "simpo_step_loss").detail
+    assert "a number" in verdict(lambda n, c, k: "0.5", "pass_at_k").detail
+    assert "not a tensor" in verdict(lambda rewards: rewards.tolist(), "group_advantages").detail
+    assert "not a tensor" in verdict(lambda lp, old, a, clip: None, "clipped_objective").detail

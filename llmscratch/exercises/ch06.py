@@ -1,25 +1,31 @@
-"""Chapter 6's exercises: alignment, checked against ``llmscratch.preference`` and ``llmscratch.metrics``.
+"""Chapter 6's exercises: alignment, checked against ``llmscratch.preference``, ``.grpo`` and ``.metrics``.
 
 Write it yourself: the watched numbers of a DPO run (reward accuracy, margin, log-ratio per token), a
 Wilson interval, the log-probability of each response with its prompt masked, the DPO loss and rewards
-from four log-probabilities (label smoothing included), and ROUGE-L's F1 by the longest common
-subsequence. Extend the package: IPO's loss, and SimPO's reference-free loss in the form ``fit`` takes.
+from four log-probabilities (label smoothing included), ROUGE-L's F1 by the longest common
+subsequence, and GRPO's pieces: the group advantages, the clipped objective (its values and its
+gradient) and the unbiased pass@k. Extend the package: IPO's loss, and SimPO's reference-free loss in
+the form ``fit`` takes.
 """
 
+import math
 from collections import Counter
 
 import torch
 
 from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
-from llmscratch.exercises.ch06_references import (dpo64, ipo_loss64, longest_common_substring, matching_blocks,
-                                                  normal_interval, response_logprobs64, simpo_loss64, wilson64)
+from llmscratch.exercises.ch06_references import (clipped_objective64, dpo64, group_advantages64, ipo_loss64,
+                                                  longest_common_substring, matching_blocks, normal_interval,
+                                                  response_logprobs64, simpo_loss64, wilson64)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
                                            expect_close, fresh_generator, number_of, random_bool, random_float,
                                            random_int, random_seed)
 from llmscratch.exercises.fixtures import VOCAB, tiny_gpt
+from llmscratch.grpo import clipped_objective, group_advantages, pass_at_k
 from llmscratch.preference import PreferenceBatch, collate_pairs, dpo_loss, preference_metrics, sequence_logprobs
 
-CHAPTER = Chapter("ch06", "Alignment: preference tuning with DPO, and evaluations that measure it")
+CHAPTER = Chapter("ch06", "Alignment: preference tuning with DPO, RL with verifiable rewards, and evaluations "
+                           "that measure them")
 EOS = VOCAB - 1  # the tiny models' end-of-text id: the vocabulary's last
 NONFINITE_HINT = ("your loss has inf or NaN: -log(sigmoid(x)) underflows to -log(0) once x is below about -100 "
                   "(float32); F.logsigmoid(x) computes the same and stays finite for any margin")
@@ -319,6 +325,202 @@ def check_rouge_l_f1(answer) -> int:
         }, "F1 = 2PR / (P + R), with P = LCS / words of the prediction, R = LCS / words of the reference "
            "(0 when the LCS is 0)", atol=1e-9)
         expect_close(got, scores["f"], case=case, hint=hint, atol=1e-9, rtol=1e-9)
+    return len(cases)
+
+
+# --------------------------------------------------------------------------- GRPO: advantages, objective, pass@k
+KEEPDIM_HINT = ("keep the group's dimension: rewards.mean(dim=-1, keepdim=True) is (P, 1) and broadcasts over the "
+                "G answers; without keepdim the (P,) means line up with the answers instead")
+PER_TOKEN_HINT = ("advantages is (N,), one per answer: advantages[:, None] (N, 1) gives every token of answer n its "
+                  "advantage; (N,) against (N, T) lines up with the tokens instead")
+OVERFLOW_HINT = ("n! overflows a float beyond n = 170, and C(n, k) beyond about n = 1030 (C(2000, 1000) is about "
+                 "10^600): keep the binomials as Python ints (math.comb(n - c, k) / math.comb(n, k) divides them "
+                 "exactly), or take the product form 1 - prod(1 - k / i for i in n - c + 1 .. n)")
+PRECISION_HINT = ("close, but not within 1e-9: compute in float64 (Python floats, or dtype=torch.float64); float32 "
+                  "keeps 7 digits, and a product of many terms loses more")
+ALL_RIGHT_HINT = ("when n - c < k every draw of k holds a right answer: pass@k is 1.0 (C(n - c, k) is 0 there; a "
+                  "factorial of n - c - k < 0 is not defined)")
+
+
+def _rewards(prompts: int, group_size: int, weight: float, generator: torch.Generator) -> list[list[float]]:
+    """P groups of G rewards as the package scores answers: 1 for a right one, plus ``weight`` for the right form.
+
+    The weights are 1/4 or 1/2, so that a group whose answers all scored alike has a mean exact in float32.
+    """
+    right = torch.randint(2, (prompts, group_size), generator=generator)
+    formed = torch.randint(2, (prompts, group_size), generator=generator)
+    return (right + weight * formed).tolist()
+
+
+@CHAPTER.exercise("group_advantages", title="GRPO's group advantages: each reward against its group's",
+                  difficulty="warm-up", section="7.2 Group advantages", kind="write it yourself",
+                  forbidden=("llmscratch.grpo.group_advantages",))
+def check_group_advantages(answer) -> int:
+    generator = torch.Generator().manual_seed(8)
+    cases = [([[1.0, 0.0]], "one prompt, two answers"),
+             ([[1.0, 0.0], [1.0, 1.0]], "the second group's answers all scored alike"),
+             ([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.5, 0.5, 1.5, 1.0]], "three prompts of four answers"),
+             (_rewards(4, 8, 0.5, generator), ""), (_rewards(8, 16, 0.25, generator), ""),
+             (torch.rand(2, 5, generator=generator).mul(100).round().div(100).tolist(), "rewards of any value")]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(_rewards(random_int(fresh, 1, 6), random_int(fresh, 2, 12), 0.25 * random_int(fresh, 1, 2), fresh), "")
+              for _ in range(2)]
+    for rewards_list, note in cases:
+        rewards = torch.tensor(rewards_list)  # (P, G)
+        case = f"group_advantages(torch.tensor({rewards_list}))" + (f" ({note})" if note else "")
+        got = attempt(answer, rewards.clone(), case=case, errors={"must match the size": KEEPDIM_HINT})
+        hint = diagnose(got, {
+            "the group is a row: take the mean and std over dim -1 (each prompt's G answers), not over dim 0":
+                lambda: group_advantages64(rewards, over="prompts"),
+            "normalise each group by its own mean and std (dim -1), not by those of the whole batch: one prompt's "
+            "rewards say nothing about another's, and an easy prompt would make every answer of a hard one look bad":
+                lambda: group_advantages64(rewards, over="batch"),
+            KEEPDIM_HINT: lambda: group_advantages64(rewards, keepdim=False),
+            "torch's std divides by G - 1 (Bessel's correction, its default): rewards.std(dim=-1, keepdim=True); "
+            "correction=0 (numpy's default) divides by G": lambda: group_advantages64(rewards, correction=0),
+            "divide by the std + 1e-4: the eps keeps a group whose answers all scored alike at 0 (0 / 1e-4), "
+            "not NaN (0 / 0)": lambda: group_advantages64(rewards, eps=0.0),
+            "divide by the group's std + 1e-4: GRPO scales the centred rewards (leaving them unscaled is Dr. GRPO's "
+            "choice, scale=False)": lambda: group_advantages64(rewards, scaled=False),
+            "add eps to the std, outside the square root: std + 1e-4, not sqrt(var + 1e-4)":
+                lambda: group_advantages64(rewards, eps_inside=True),
+        }, "")
+        hint = hint or diagnose_nonfinite(got, {}, "(reward - its group's mean) / (its group's std + 1e-4), the mean "
+                                          "and std over dim -1 with keepdim=True", hint=(
+            "a group whose answers all scored alike has std 0: add eps (1e-4) to the std, so that its advantages "
+            "are 0 / 1e-4 = 0, not 0 / 0 = NaN"))
+        expect_close(got, group_advantages(rewards), case=case, hint=hint, atol=1e-6, rtol=1e-5)
+    return len(cases)
+
+
+CLIPPED_SLIPS = {  # the hint of each usual mistake -> its switch of clipped_objective64
+    "take the min of r A and clip(r) A, not the max: the objective is pessimistic, it never credits the policy for "
+    "moving past the clip": dict(combine="max"),
+    "the clipped term alone is not enough: min(r A, clip(r) A) keeps r A (and its gradient) where the ratio went "
+    "past the clip against the advantage (r < 1 - clip with A > 0, r > 1 + clip with A < 0)":
+        dict(combine="clipped only"),
+    "clip the ratio: min(r A, clip(r, 1 - clip, 1 + clip) A); r A alone keeps pushing (and its gradient keeps "
+    "flowing) after the ratio went past 1 + clip with A > 0 or below 1 - clip with A < 0": dict(combine="unclipped"),
+    "clip the ratio r to [1 - clip, 1 + clip], not the advantage: the clip bounds how far the policy moves from the "
+    "one that sampled": dict(clipped="advantage"),
+    "clip the ratio alone, then multiply by the advantage: clip(r, 1 - clip, 1 + clip) * A, not clip(r A)":
+        dict(clipped="product"),
+    "the ratio of probabilities is exp(logprobs - old_logprobs), not logprobs / old_logprobs: log-probabilities "
+    "subtract where probabilities divide": dict(ratio="quotient"),
+    "r = exp(logprobs - old_logprobs): the difference of log-probabilities is the log of the ratio, not the ratio":
+        dict(ratio="difference"),
+    PER_TOKEN_HINT: dict(per_token=False),
+    "return the objective, to be maximised: the loss is its negative, taken later": dict(sign=-1.0),
+    "keep the clipped term's graph too (no .detach()): inside the clip both terms are equal, and torch.minimum "
+    "splits the gradient between them": dict(detached_clip=True),
+}
+
+
+def _float64(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def _policy_logprobs(answers: int, tokens: int, spread: float, generator: torch.Generator) -> list[torch.Tensor]:
+    """Per-token log-probabilities (N, T) of the policy that sampled and of the one trained, a little way apart,
+    and one advantage per answer (N,)."""
+    old = -torch.rand(answers, tokens, generator=generator) * 4 - 0.1  # (N, T) in [-4.1, -0.1]
+    new = (old + spread * torch.randn(answers, tokens, generator=generator)).clamp(max=-1e-3)  # (N, T)
+    return [new, old, torch.randn(answers, generator=generator)]
+
+
+@CHAPTER.exercise("clipped_objective", title="PPO's clipped objective per token, and its gradient",
+                  difficulty="medium", section="7.3 The clipped objective", kind="write it yourself",
+                  forbidden=("llmscratch.grpo.clipped_objective",))
+def check_clipped_objective(answer) -> int:
+    generator = torch.Generator().manual_seed(9)
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    apart = [old + torch.tensor([[1.5, 0.5], [1.5, 0.5]]).log(), old, torch.tensor([1.5, -0.5])]
+    cases = [([torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0])], 0.2,
+              "the policy that sampled: the ratio is 1"),
+             (apart, 0.2, "ratios 1.5 and 0.5, past the clip either way, advantages 1.5 and -0.5"),
+             (_policy_logprobs(3, 4, 0.4, generator), 0.2, ""), (_policy_logprobs(4, 6, 0.5, generator), 0.1, ""),
+             (_policy_logprobs(5, 3, 0.3, generator), 0.3, "")]
+    cases[-1][0][2][0] = 0.0  # an answer whose group scored alike: no advantage
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    cases += [(_policy_logprobs(random_int(fresh, 1, 5), random_int(fresh, 1, 8), 0.4, fresh),
+               random_float(fresh, 0.1, 0.4), "") for _ in range(2)]
+    for (logprobs, old_logprobs, advantages), clip, note in cases:
+        case = (f"logprobs {describe(logprobs)}, old_logprobs {describe(old_logprobs)}, advantages "
+                f"{describe(advantages)}, clip={clip}" + (f" ({note})" if note else ""))
+        leaf = logprobs.clone().requires_grad_()
+        got = attempt(answer, leaf, old_logprobs.clone(), advantages.clone(), clip, case=case,
+                      errors={"must match the size": PER_TOKEN_HINT})
+        expected_leaf = logprobs.clone().requires_grad_()
+        expected = clipped_objective(expected_leaf, old_logprobs, advantages, clip)  # (N, T)
+        slips = _clipped_slips(logprobs, old_logprobs, advantages, clip)
+        hint = diagnose(got, {text: lambda values=values: values for text, (values, _) in slips.items()},
+                        "min(r A, clip(r, 1 - clip, 1 + clip) A) per token, with r = exp(logprobs - old_logprobs) "
+                        "and A = advantages[:, None]")
+        expect_close(got, expected.detach(), case=case, hint=hint, atol=1e-5, rtol=1e-5)
+        _check_objective_gradient(got, leaf, torch.autograd.grad(expected.sum(), expected_leaf)[0],
+                                  {text: grad for text, (_, grad) in slips.items()}, case)
+    return len(cases)
+
+
+def _clipped_slips(logprobs, old_logprobs, advantages, clip: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each usual mistake's hint -> its values and gradient on this case (those that cannot be computed left out)."""
+    slips = {}
+    for text, slip in CLIPPED_SLIPS.items():
+        try:
+            slips[text] = clipped_objective64(logprobs, old_logprobs, advantages, clip, **slip)
+        except RuntimeError:  # advantages against the tokens: (N,) and (N, T) do not broadcast unless N = T
+            continue
+    return slips
+
+
+def _check_objective_gradient(got, leaf: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor],
+                              case: str) -> None:
+    """The gradient of the reader's objective's sum with respect to logprobs must be the expected one; ``slips``
+    maps each usual mistake's hint to its gradient."""
+    case += ": the gradient of your objective's sum with respect to logprobs"
+    if not got.requires_grad:
+        raise Mismatch(case, "an objective that backward() can differentiate", "a tensor without grad_fn",
+                       "compute it with torch operations on logprobs (no .detach(), no torch.no_grad(), no .item()): "
+                       "the policy learns through it")
+    (grad,) = attempt(torch.autograd.grad, got.sum(), leaf, allow_unused=True, case=case)
+    grad = torch.zeros_like(leaf) if grad is None else grad
+    hint = diagnose(grad, {text: lambda slip=slip: slip for text, slip in slips.items()},
+                    "the gradient is r A where the min picks r A, and 0 where it picks the clipped term (the ratio "
+                    "past the clip in the advantage's direction)")
+    expect_close(grad, expected, case=case, hint=hint, atol=1e-5, rtol=1e-5)
+
+
+@CHAPTER.exercise("pass_at_k", title="The unbiased pass@k from n samples", difficulty="medium",
+                  section="7.5 pass@k", kind="write it yourself", forbidden=("llmscratch.grpo.pass_at_k",))
+def check_pass_at_k(answer) -> int:
+    cases = [(1, 1, 1, "the one answer is right"), (1, 0, 1, ""), (2, 1, 1, ""), (2, 0, 2, "no right answer, k = n"),
+             (2, 1, 2, "n - c < k: every draw of two holds the right answer"), (5, 2, 3, "n - c = k"),
+             (10, 3, 1, ""), (10, 3, 5, ""), (10, 0, 10, ""), (10, 10, 1, ""),
+             (200, 13, 10, "n = 200: 200! is far beyond a float"), (200, 13, 150, ""),
+             (2000, 5, 1000, "n = 2000: C(2000, 1000) is about 10^600"), (2000, 1, 10, ""), (2000, 1995, 3, "")]
+    fresh = fresh_generator()  # and cases no table of the fixed ones holds
+    for low, high in ((1, 60), (1, 60), (500, 3000)):
+        n = random_int(fresh, low, high)
+        cases.append((n, random_int(fresh, 0, n), random_int(fresh, 1, n), ""))
+    for n, c, k, note in cases:
+        case = f"pass_at_k({n}, {c}, {k})" + (f" ({note})" if note else "")
+        got = number_of(attempt(answer, n, c, k, case=case, errors={
+            "OverflowError": OVERFLOW_HINT, "not defined for negative values": ALL_RIGHT_HINT}), case, "a number")
+        expected = pass_at_k(n, c, k)
+        hint = diagnose_nonfinite(_float64(got), {
+            "that is 1 - (1 - c/n)^k, k draws with replacement: biased low; the k samples are drawn from the n "
+            "without replacement, 1 - C(n - c, k) / C(n, k)": lambda: _float64(1 - (1 - c / n) ** k),
+            "c / n is pass@1, whatever k: with k tries the chance that one is right grows, 1 - C(n - c, k) / C(n, k)":
+                lambda: _float64(c / n),
+            "pass@k is 1.0 only when n - c < k: with n - c = k one draw of k (all the wrong answers) has no right "
+            "one, and pass@k = 1 - 1 / C(n, k)": lambda: _float64(1.0 if n - c == k else math.nan),  # NaN: no match
+            "pass@k is the chance that at least one of the k is right, not that all are: 1 - C(n - c, k) / C(n, k)":
+                lambda: _float64(math.comb(c, k) / math.comb(n, k)),
+            "C(n - c, k) / C(n, k) is the chance that none of the k is right: pass@k is 1 minus it":
+                lambda: _float64(1 - expected),
+        }, PRECISION_HINT if abs(got - expected) < 1e-4 else "1 - C(n - c, k) / C(n, k), and 1.0 when n - c < k",
+            hint=OVERFLOW_HINT)
+        expect_close(got, expected, case=case, hint=hint, atol=1e-9, rtol=1e-9)
     return len(cases)
 
 

@@ -2,7 +2,8 @@
 
 ``llmscratch.exercises.ch06`` compares a reader's answer with these to name the mistake it reproduces:
 each function is the plain computation in float64, and each keyword switch one usual slip. ``ipo_loss64``
-and ``simpo_loss64`` are the references of the two losses the package does not have.
+and ``simpo_loss64`` are the references of the two losses the package does not have; ``clipped_objective64``
+also returns its gradient, which tells GRPO's clipped objective from its slips where the values agree.
 """
 
 import math
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 
 from llmscratch.losses import IGNORE_INDEX
 
-__all__ = ["dpo64", "ipo_loss64", "longest_common_substring", "matching_blocks", "normal_interval",
-           "response_logprobs64", "simpo_loss64", "wilson64"]
+__all__ = ["clipped_objective64", "dpo64", "group_advantages64", "ipo_loss64", "longest_common_substring",
+           "matching_blocks", "normal_interval", "response_logprobs64", "simpo_loss64", "wilson64"]
 
 
 def response_logprobs64(logits: torch.Tensor, targets: torch.Tensor, *, shift: int = 0, masked=True, mean=False,
@@ -123,3 +124,68 @@ def simpo_loss64(logprobs: torch.Tensor, counts: torch.Tensor, beta: float, gamm
     offset = gamma_sign * (beta * gamma if gamma_scaled else gamma)
     losses = -F.logsigmoid(beta * margin - offset)  # (B,)
     return losses.sum() if reduce == "sum" else losses.mean()
+
+
+def group_advantages64(rewards: torch.Tensor, *, over="group", correction=1, eps=1e-4, scaled=True, eps_inside=False,
+                       keepdim=True) -> torch.Tensor:
+    """GRPO's advantages of rewards (P, G) in float64: (reward - group mean) / (group std + eps), (P, G).
+
+    Each usual mistake a switch: ``over`` "batch" normalises over every reward at once, "prompts" over
+    dim 0; ``correction`` 0 is the population std; ``eps`` 0 leaves it out; ``scaled`` False only centres;
+    ``eps_inside`` divides by sqrt(var + eps); ``keepdim`` False lines the (P,) statistics up with the answers.
+    """
+    r = rewards.detach().double()  # (P, G)
+    dims = (0, 1) if over == "batch" else -1 if over == "group" else 0
+    mean = r.mean(dims, keepdim=True)
+    count = r.numel() if over == "batch" else r.size(dims)
+    var = (r - mean).square().sum(dims, keepdim=keepdim) / (count - correction)  # 0 / 0 for one answer, no warning
+    mean = mean if keepdim else mean.squeeze(dims)
+    centred = r - mean
+    if not scaled:
+        return centred
+    return centred / ((var + eps).sqrt() if eps_inside else var.sqrt() + eps)  # (P, G)
+
+
+def clipped_objective64(logprobs, old_logprobs, advantages, clip: float, *, combine="min", clipped="ratio",
+                        ratio="exp", per_token=True, detached_clip=False,
+                        sign=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token (N, T) in float64, and the gradient of its sum with respect to logprobs.
+
+    min(r A, clip(r, 1 - clip, 1 + clip) A), r = exp(logprobs - old_logprobs), A one per answer (N,).
+    Each usual mistake a switch: ``combine`` "max", "clipped only" (no min) or "unclipped" (r A alone);
+    ``clipped`` "advantage" clips A instead of r, "product" clips r A; ``ratio`` "quotient" (logprobs /
+    old_logprobs) or "difference" (no exp); ``per_token`` False lines A up with the tokens; ``detached_clip``
+    detaches the clipped term; ``sign`` -1 returns the loss.
+    """
+    leaf = logprobs.detach().double().requires_grad_()  # (N, T)
+    old = old_logprobs.detach().double()  # (N, T)
+    gain = advantages.detach().double()
+    gain = gain[:, None] if per_token else gain[None, :]  # (N, 1), or (1, N) against T tokens
+    if ratio == "exp":
+        r = torch.exp(leaf - old)
+    elif ratio == "quotient":
+        r = leaf / old
+    else:
+        r = leaf - old
+    low, high = 1 - clip, 1 + clip
+    plain = r * gain  # (N, T)
+    if clipped == "advantage":
+        other = r * gain.clamp(low, high)
+    elif clipped == "product":
+        other = plain.clamp(low, high)
+    else:
+        other = r.clamp(low, high) * gain
+    other = other.detach() if detached_clip else other
+    if combine == "max":
+        values = torch.maximum(plain, other)
+    elif combine == "clipped only":
+        values = other
+    elif combine == "unclipped":
+        values = plain
+    else:
+        values = torch.minimum(plain, other)
+    values = sign * values  # (N, T)
+    if not values.requires_grad:  # the clipped term alone, detached: nothing reaches logprobs
+        return values.detach(), torch.zeros_like(leaf)
+    (grad,) = torch.autograd.grad(values.sum(), leaf)
+    return values.detach(), grad

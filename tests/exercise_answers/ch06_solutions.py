@@ -68,6 +68,27 @@ def rouge_l_f1(prediction, reference):
     precision, recall = common / len(predicted), common / len(wanted)
     return 2 * precision * recall / (precision + recall)
 
+# %% group_advantages
+def group_advantages(rewards):
+    """Each answer's reward against its group's: rewards (P, G), G answers to each of P prompts -> (P, G)."""
+    mean = rewards.mean(dim=-1, keepdim=True)  # (P, 1): the group is the baseline
+    std = rewards.std(dim=-1, keepdim=True)  # (P, 1), with Bessel's correction (torch's default)
+    return (rewards - mean) / (std + 1e-4)  # a group that scored alike: 0 / 1e-4 = 0
+
+# %% clipped_objective
+def clipped_objective(logprobs, old_logprobs, advantages, clip):
+    """PPO's clipped surrogate per token (N, T), to be maximised: min(r A, clip(r, 1 - clip, 1 + clip) A)."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T): pi / pi_old of each token
+    gain = advantages[:, None]  # (N, 1): an answer's advantage, for each of its tokens
+    return torch.minimum(ratio * gain, ratio.clamp(1 - clip, 1 + clip) * gain)  # (N, T)
+
+# %% pass_at_k
+def pass_at_k(n, correct, k):
+    """The unbiased pass@k from n samples of which ``correct`` were right: 1 - C(n - c, k) / C(n, k)."""
+    if n - correct < k:  # every draw of k holds a right answer
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)  # ints divided: exact, however large
+
 # %% ipo_loss
 def ipo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta):
     """IPO's loss over B pairs of summed log-probabilities (B,) each: the mean of (h - 1 / (2 beta))^2."""
