@@ -6,7 +6,7 @@
     python ch06-alignment/evaluate.py --model instructions \
         --model instructions-int4=runs/quantized/instructions-int4.safetensors
 
-Each --model is a name (base, instructions, dpo, classifier: the default place of each), a run
+Each --model is a name (base, instructions, dpo, dpo-style, rl, classifier: the default place of each), a run
 folder or a model file (a quantized one of ch07-deployment/quantize.py too), optionally as
 LABEL=PATH to name its column. The first row says how each model's weights are held as it is
 scored (float32, int8, int4 and its group size) and their megabytes. Language models get bits
@@ -43,8 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", metavar="[LABEL=]MODEL",
-                        help="a model to score (repeat for several): base, instructions, dpo, classifier, a run "
-                             "folder or a model file (.safetensors, checkpoint .pt, classifier.pt); default: base")
+                        help="a model to score (repeat for several): base, instructions, dpo, dpo-style, rl, "
+                             "classifier, a run folder or a model file (.safetensors, checkpoint .pt, classifier.pt); "
+                             "default: base")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/report"),
                         help="where report.md, report.png and report.json go, replacing an earlier report there "
                              "(default: runs/report)")

@@ -2,10 +2,12 @@
 
     python ch06-alignment/finetune_preferences.py              # from runs/instructions/model.safetensors
     python ch06-alignment/finetune_preferences.py --lora --beta 0.5
+    python ch06-alignment/finetune_preferences.py --style full-stop --out-dir runs/preferences-style
     python ch06-alignment/finetune_preferences.py --model some/model.safetensors --test-mode
 
 Trains on the train split of the preference pairs (--data, a JSON list of records with
-instruction, input, chosen, rejected, split and optionally family), the starting model being
+instruction, input, chosen, rejected, split and optionally family; or, with --style, pairs made
+from the instruction records that prefer a style of answer), the starting model being
 the frozen reference (with --lora: the same model, adapters off). Then it scores both models:
 preference accuracy (the share of held-out pairs whose chosen answer gets the higher implicit
 reward) on the test pairs, and exact match and well-formed answers on the test split of the
@@ -34,10 +36,12 @@ from llmscratch.device import resolve_device
 from llmscratch.dpo import pair_batches, plot_dpo, preference_scores, preference_table, read_pairs, train_dpo
 from llmscratch.finetune import ADAPTERS_FILE, check_trainable, end_of_text_id, fit_and_save, load_base, set_trainable
 from llmscratch.instruct import (
-    MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records, read_instruction_splits, score_answers,
+    MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records, read_instruction_splits, read_json_records,
+    score_answers, split_records,
 )
 from llmscratch.preference import ReferenceModel
 from llmscratch.runfolder import save_or_rescue
+from llmscratch.tasks import STYLES, style_pairs
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
 DEFAULTS = DPOConfig(epochs=2, batch_size=8, lr=2e-5, beta=0.1, trainable="all")
@@ -56,6 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=PREFERENCES_PATH,
                         help="a JSON list of preference records (instruction, input, chosen, rejected, split; "
                              "family optional)")
+    parser.add_argument("--style", choices=sorted(STYLES),
+                        help="instead of --data, pairs that teach a style and no skill: for each instruction record, "
+                             "its right answer in the style (full-stop: ending with '.') chosen over the same answer "
+                             "without it")
     parser.add_argument("--instructions", type=Path, default=INSTRUCTIONS_PATH,
                         help="the instruction records whose test split is answered to score exact match and "
                              "well-formed answers (as ch05's --data)")
@@ -109,7 +117,9 @@ def main(argv=None) -> None:
 def run(args: argparse.Namespace, config: DPOConfig) -> int:
     start = time.perf_counter()
     torch.manual_seed(config.seed)
-    pair_splits = read_pairs(args.data, args.test_mode)
+    pair_splits = (read_pairs(args.data, args.test_mode) if args.style is None else
+                   split_records(style_pairs(read_json_records(args.instructions), args.style), args.instructions,
+                                 args.test_mode))
     instructions = read_instruction_splits(args.instructions, args.test_mode)["test"]
     model_path = starting_model(args.model, DEFAULT_MODEL, args)
     model, tokenizer = load_base(model_path, args.device)
@@ -139,7 +149,7 @@ def run(args: argparse.Namespace, config: DPOConfig) -> int:
         model, lambda stop: train_dpo(model, batches, config, args.device, progress, steps, stop), args.out_dir,
         MODEL_FILE, lambda path: export_model(model, path, tokenizer), OUTPUTS)
     metrics = {"instruction_model": {**start_scores, "pairs": start_pairs}, "history": history, "steps": steps,
-               "trainable_parameters": trainable, "starting_model": str(model_path), "data": str(args.data),
+               "trainable_parameters": trainable, "starting_model": str(model_path), "data": str(args.data) if args.style is None else f"style:{args.style}",
                "pairs_per_split": {name: len(split) for name, split in pair_splits.items()},
                "config": {**vars(config), "lora": vars(config.lora)}}
     if stopped is not None:  # Ctrl-C: the model so far is saved; it is not scored

@@ -403,3 +403,25 @@ def build_preference_data(records: list[dict], answers: list[dict], seed: int) -
         raise ValueError(f"{len(leaked)} test prompts are also training prompts (first: {leaked[0]!r})")
     items = [choice_item(r, seed) for r in records if r["split"] == "test"]
     return pairs, items
+
+
+# --------------------------------------------------------------------------- chapter 6: a style, not a skill
+STYLES: dict[str, Callable[[str], str]] = {
+    "full-stop": lambda answer: answer + ".",  # end every answer with a full stop
+}
+
+
+def style_pairs(records: list[dict], style: str) -> list[dict]:
+    """Preference pairs that teach a style, not a skill: for each record, chosen is its right answer written in
+    ``style`` (one of STYLES), rejected the same right answer as the records write it. Each keeps its split.
+
+    Exact match ignores the style (``normalize_answer`` strips a final full stop), so a model tuned on these
+    pairs is scored as before on what it knows, and the change shows in the text of its answers.
+    """
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; expected one of {sorted(STYLES)}")
+    records = validate_records(records)
+    pairs = [{"instruction": r["instruction"], "input": r["input"], "chosen": STYLES[style](r["output"]),
+              "rejected": r["output"], "family": r.get("family", ""), "split": r.get("split", "train"),
+              "source": f"style:{style}"} for r in records]
+    return validate_pairs(pairs)

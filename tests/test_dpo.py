@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmscratch import tasks
 from llmscratch.assets import INSTRUCTIONS_PATH, read_instructions
 from llmscratch.checkpoint import export_model, model_from_checkpoint
 from llmscratch.config import DPOConfig
@@ -224,3 +225,22 @@ def test_a_malformed_pair_is_named(model_path, tmp_path):
                                 {"instruction": "a", "input": "", "chosen": "b", "split": "test"}]))
     result = script("--model", model_path, "--data", data, "--out-dir", tmp_path / "run")
     assert result.returncode == 1 and "record 1: field 'rejected' is missing" in result.stderr
+
+
+def test_style_pairs_prefer_the_right_answer_in_the_style_and_dpo_learns_them(model_path, tmp_path):
+    records = read_instructions()
+    pairs = tasks.style_pairs(records, "full-stop")
+    assert len(pairs) == len(records)
+    for pair, record in zip(pairs, records):
+        assert (pair["chosen"], pair["rejected"], pair["split"]) == (record["output"] + ".", record["output"],
+                                                                     record["split"])
+        assert normalize_answer(pair["chosen"]) == normalize_answer(record["output"])  # exact match ignores it
+    with pytest.raises(ValueError, match="unknown style 'shouting'; expected one of \\['full-stop'\\]"):
+        tasks.style_pairs(records, "shouting")
+    out = tmp_path / "style"
+    result = script("--model", model_path, "--style", "full-stop", "--out-dir", out, "--test-mode", "--no-progress",
+                    "--lr", "1e-3")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["data"] == "style:full-stop"
+    assert metrics["pairs_per_split"]["train"] == 26  # the instruction records' test-mode train split
