@@ -2,7 +2,7 @@
 
     python ch06-alignment/finetune_preferences.py              # from runs/instructions/model.safetensors
     python ch06-alignment/finetune_preferences.py --lora --beta 0.5
-    python ch06-alignment/finetune_preferences.py --style full-stop --out-dir runs/preferences-style
+    python ch06-alignment/finetune_preferences.py --style full-stop --sft-weight 1 --out-dir runs/preferences-style
     python ch06-alignment/finetune_preferences.py --model some/model.safetensors --test-mode
 
 Trains on the train split of the preference pairs (--data, a JSON list of records with

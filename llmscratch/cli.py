@@ -234,7 +234,8 @@ DEFAULT_MODELS = {
     "instructions": (Path("runs/instructions/model.safetensors"), "python ch05-finetuning/finetune_instructions.py"),
     "dpo": (Path("runs/preferences/model.safetensors"), "python ch06-alignment/finetune_preferences.py"),
     "dpo-style": (Path("runs/preferences-style/model.safetensors"),
-                  "python ch06-alignment/finetune_preferences.py --style full-stop --out-dir runs/preferences-style"),
+                  "python ch06-alignment/finetune_preferences.py --style full-stop --sft-weight 1 "
+                  "--out-dir runs/preferences-style"),
     "rl": (Path("runs/rl/model.safetensors"), "python ch06-alignment/finetune_rl.py"),
     "classifier": (Path("runs/classifier/classifier.pt"), "python ch05-finetuning/finetune_classifier.py"),
 }
