@@ -88,19 +88,22 @@ class StopText:
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to show now, whether a stop string was found: nothing after it is shown)."""
         text = self.held + piece
-        found = [text.find(stop) for stop in self.stops if stop in text]
-        if found:
+        found = min((text.find(stop) for stop in self.stops if stop in text), default=len(text))
+        # The earliest place where a stop string could still begin, once more text comes: an end of the text
+        # that is the start of a longer stop. A stop found later than it may yet lose to one starting there.
+        open_at = min((start for stop in self.stops for start in range(max(0, len(text) - len(stop) + 1), len(text))
+                       if stop.startswith(text[start:])), default=len(text))
+        if found < open_at:
             self.held = ""
-            return text[: min(found)], True
-        # The longest end of the text that a stop string starts with stays back until the next piece.
-        keep = max((n for stop in self.stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
-                    if stop.startswith(text[len(text) - n:])), default=0)
-        self.held = text[len(text) - keep:]
-        return text[: len(text) - keep], False
+            return text[:found], True
+        self.held = text[open_at:]
+        return text[:open_at], False
 
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
+    def flush(self) -> tuple[str, bool]:
+        """At the end of the text: what was held back, cut before a stop found in it, and whether one was."""
+        text, self.held = self.held, ""
+        found = min((text.find(stop) for stop in self.stops if stop in text), default=len(text))
+        return text[:found], found < len(text)
 
 
 class Request:
@@ -151,7 +154,10 @@ class Request:
         tail = ""
         if reason in ("stop", "length") and not self.stopped:  # a character cut short, then what waited on a stop
             tail, stopped = self.stop_text.feed(self.decoder.decode(b"", final=True))
-            tail += "" if stopped else self.stop_text.flush()
+            if not stopped:
+                held, stopped = self.stop_text.flush()
+                tail += held
+            reason = "stop" if stopped else reason  # a stop string that could only be told at the end
         self.emit(Event(tail, [], reason, error, len(self.prompt_ids), len(self.token_ids)))
 
     def add_token(self, token_id: int, eos_id: int | None) -> str | None:

@@ -394,10 +394,31 @@ def test_stop_text_releases_exactly_the_text_before_the_first_stop(text, cuts, s
         if stopped:
             break
     if not stopped:
-        shown.append(stop_text.flush())
+        released, stopped = stop_text.flush()
+        shown.append(released)
     first = min((text.find(s) for s in stops if s in text), default=len(text))
     assert "".join(shown) == text[:first]
     assert stopped == any(s in text for s in stops)
+
+
+@pytest.mark.parametrize("pieces, stops, shown", [
+    (["#a", "a"], ["a", "#aa"], ""),  # "a" completes first, but "#aa" starts first: found by hypothesis
+    (["#a", "b"], ["a", "#aa"], "#"),  # "#aa" never completes: "a" ends the text after all
+    (["#a"], ["a", "#aa"], "#"),  # the text ends while "#aa" could still have begun: only flush can tell
+    (["xab", "c"], ["b", "abc"], "x"),
+    (["ab", "cd"], ["bcd", "cx"], "a"),
+])
+def test_a_stop_that_starts_first_wins_over_one_that_completes_first(pieces, stops, shown):
+    stop_text, released = StopText(stops), []
+    for piece in pieces:
+        text, stopped = stop_text.feed(piece)
+        released.append(text)
+        if stopped:
+            break
+    else:
+        text, stopped = stop_text.flush()
+        released.append(text)
+    assert stopped and "".join(released) == shown
 
 
 def test_a_stop_string_ends_the_answer_before_it(base):
