@@ -41,7 +41,7 @@ from llmscratch.runfolder import save_or_rescue
 from llmscratch.tasks import draw_prompts
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
-DEFAULTS = GRPOConfig(lr=1e-4, warmup_fraction=0.05, trainable="all")  # 5e-5: no gain in 60 rounds (RESULTS.md)
+DEFAULTS = GRPOConfig(lr=1e-4, warmup_fraction=0.05, trainable="all")  # 5e-5 and 3e-4 did worse (RESULTS.md)
 MODEL_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE, PLOT_FILE = (
     "model.safetensors", "metrics.json", "comparison.md", "answers.jsonl", "rl.png")
 OUTPUTS = (MODEL_FILE, ADAPTERS_FILE, METRICS_FILE, TABLE_FILE, ANSWERS_FILE, PLOT_FILE)  # what a run leaves

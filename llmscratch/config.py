@@ -263,8 +263,9 @@ class GRPOConfig(FinetuneConfig):
     clip: float = setting(0.2, "PPO's clip: the ratio to the sampling policy is held within 1 +- clip", positive)
     kl_weight: float = setting(0.0, "weight of the KL penalty to the starting model; 0: none (and no reference "
                                     "model kept)", non_negative)
-    format_weight: float = setting(0.1, "reward for an answer of the right form, on top of 1 for a right one",
-                                   non_negative)
+    format_weight: float = setting(0.0, "reward for an answer of the right form, on top of 1 for a right one; "
+                                        "with scaled advantages, wrong answers that differ only in form then get "
+                                        "full-size advantages, so 0 by default", non_negative)
     scale_advantages: bool = setting(True, "divide each group's advantages by its reward spread (GRPO); off: "
                                            "Dr. GRPO's centred rewards")
     normalisation: str = setting("sequence", "how token losses are averaged: per answer then over answers, "

@@ -18,8 +18,8 @@ from llmscratch.classify import (  # noqa: E402
 from llmscratch.config import LoRAConfig  # noqa: E402
 from llmscratch.finetune import FinetuneConfig, fit, load_base, set_trainable  # noqa: E402
 from llmscratch.instruct import (  # noqa: E402
-    HEADER, IGNORE_INDEX, Response, collate, comparison_table, encode_records, evaluate_responses, format_prompt,
-    lm_loss, parse_response, respond, response_loss, validate_records,
+    HEADER, IGNORE_INDEX, Replay, Response, collate, comparison_table, encode_records, evaluate_responses,
+    format_prompt, lm_loss, lm_loss_with_replay, parse_response, respond, response_loss, validate_records,
 )
 from llmscratch.lora import apply_lora, lora_layers  # noqa: E402
 from llmscratch.model import count_parameters  # noqa: E402
@@ -338,6 +338,37 @@ def test_lm_loss_is_the_masked_cross_entropy_of_the_logits(lora_head):
     with torch.no_grad():
         by_hand = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         assert lm_loss(model, (inputs, targets)).item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+def test_replay_draws_seeded_windows_of_the_text_and_their_next_tokens():
+    tokens = list(range(1000, 1300))  # every window is then readable: consecutive numbers
+    inputs, targets = Replay(tokens, windows=5, length=16, seed=3).batch()
+    assert inputs.shape == targets.shape == (5, 16) and inputs.dtype == torch.long
+    for row_in, row_out in zip(inputs.tolist(), targets.tolist()):
+        start = row_in[0] - 1000
+        assert row_in == tokens[start:start + 16] and row_out == tokens[start + 1:start + 17]  # a window, shifted by 1
+    again, other = Replay(tokens, 5, 16, seed=3), Replay(tokens, 5, 16, seed=4)
+    assert torch.equal(again.batch()[0], inputs) and not torch.equal(other.batch()[0], inputs)
+    replay = Replay(tokens, 64, 16, seed=0)
+    firsts = torch.cat([replay.batch()[0][:, 0] for _ in range(20)])
+    assert firsts.min() == 1000 and firsts.max() == 1300 - 17  # the first and the last window are both drawn
+    with pytest.raises(ValueError, match="the replay text has 10 tokens, fewer than a window of 16 \\+ 1"):
+        Replay(list(range(10)), 2, 16, seed=0)
+    with pytest.raises(ValueError, match="at least one window of one token, got 0 of 16"):
+        Replay(tokens, 0, 16, seed=0)
+
+
+def test_lm_loss_with_replay_adds_the_windows_loss_and_its_gradient():
+    model = tiny("llama").eval()
+    task = collate([([5, 6, 7], [8, 9]), ([5, 11], [3, 4, 2])], eos_id=0, mask_prompt=True)
+    windows = Replay(list(range(1, 80)), windows=3, length=12, seed=0).batch()
+    assert lm_loss_with_replay(model, (task, None)).item() == lm_loss(model, task).item()
+    both = lm_loss_with_replay(model, (task, windows))
+    with torch.no_grad():  # the windows learned as pretraining learns them: every position, no mask
+        window_loss = F.cross_entropy(model(windows[0]).flatten(0, 1), windows[1].flatten())
+    assert both.item() == pytest.approx(lm_loss(model, task).item() + window_loss.item(), rel=1e-6)
+    both.backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_response_loss_is_the_loss_on_outputs_only():

@@ -99,8 +99,11 @@ def test_classifier_script_from_a_gpt2_folder(tmp_path):
 def test_instruction_script_in_test_mode(checkpoint, tmp_path):
     out = tmp_path / "run"
     export = checkpoint.with_name("model.safetensors")
-    succeeds("finetune_instructions", "--base", export, "--out-dir", out, "--test-mode", "--no-progress", "--lora")
+    shown = succeeds("finetune_instructions", "--base", export, "--out-dir", out, "--test-mode", "--no-progress",
+                     "--lora", "--replay-length", "300")
+    assert "replaying windows of 256 tokens, the model's context length (--replay-length 300)" in shown
     metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["replay"] == {"windows": 2, "length": 256}  # the default: 2 windows in every batch
     for model in ("base", "finetuned"):
         assert 0.0 <= metrics[model]["exact_match"] <= 1.0 and metrics[model]["response_loss"] > 0
         assert len(metrics[model]["by_family"]) == 13

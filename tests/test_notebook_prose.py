@@ -53,7 +53,7 @@ QUOTED_ELSEWHERE = {
     ("ch05-finetuning/finetuning.ipynb", "12.81"): "ch04-pretraining/appendix.ipynb",
     ("ch05-finetuning/finetuning.ipynb", "12.71"): "ch04-pretraining/appendix.ipynb",
     ("ch05-finetuning/finetuning.ipynb", "11.433"): "benchmarks/RESULTS.md",
-    ("ch05-finetuning/finetuning.ipynb", "1.911"): "benchmarks/RESULTS.md",
+    ("ch05-finetuning/finetuning.ipynb", "1.683"): "benchmarks/RESULTS.md",
     ("ch06-alignment/alignment.ipynb", "0.01"): "the low end of the usual range of beta, a setting",
     ("ch06-alignment/exercises.ipynb", "2.576"): "z of a 99% interval, a constant",
     ("ch06-alignment/exercises.ipynb", "0.01"): "a test setting of the exercise (beta)",
