@@ -77,6 +77,10 @@ RELU2 = SPEEDRUN["bf16-relu2"]  # the main job's default since the log adopted i
 SPEEDRUN |= {
     "relu2-weight-decay-0.5": [*RELU2, "--weight-decay", "0.5"],
     "relu2-wsd": [*RELU2, "--schedule", "wsd"],
+    # Issue 34: mixtures of experts against the main job in float32 (a CPU without AMX), the same active weights
+    "relu2-f32": ["--dtype", "float32", "--mlp", "relu2", "--d-ff", "1152"],
+    "moe-8x-top2-f32": ["--dtype", "float32", "--experts", "8", "--experts-per-token", "2"],
+    "moe-4x-top1-f32": ["--dtype", "float32", "--experts", "4", "--experts-per-token", "1"],
 }
 MIN_SEEDS = 3  # a gain is claimed over at least this many seeds of both runs
 TARGET_BPB = 2.07  # where nanoGPT's character-level CPU recipe ends on the same split (issue 5)

@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--d-ff", type=int, default=None, help="the MLP's hidden size (default: the preset's, or as many "
                                                           "weights as the preset's MLP, see --mlp)")
     m.add_argument("--qk-norm", action="store_true", help="RMS-normalise each head's queries and keys (QK-norm)")
+    m.add_argument("--experts", type=int, default=None, metavar="N",
+                   help="a mixture of N SwiGLU experts for every MLP (llmscratch.moe); each token goes through "
+                        "--experts-per-token of them, each --d-expert wide (default: the MLP's weights shared out, "
+                        "so a token meets as many weights as in the dense model)")
+    m.add_argument("--experts-per-token", type=int, default=2, metavar="K", help="the router's top k (with --experts)")
+    m.add_argument("--d-expert", type=int, default=None, help="hidden size of each expert (with --experts)")
+    m.add_argument("--router-aux-weight", type=finite_float, default=0.01,
+                   help="weight of the experts' load-balancing loss (with --experts; 1 is an even load)")
     m.add_argument("--zero-init-residual", action="store_true",
                    help="attention's output projection and the MLP's last layer start at zero")
     t = p.add_argument_group("training")

@@ -21,41 +21,49 @@ from llmscratch.norm import RMSNorm
 from llmscratch.rope import RotaryEmbedding
 
 
-def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None, window: int | None = None) -> torch.Tensor:
     """(q_len, kv_len) booleans, True where a query may look at a key.
 
     The queries are the last q_len of the kv_len positions (bottom-right aligned), which is the
     case of a chunk appended to a KV cache; with q_len == kv_len it is the usual lower triangle.
+    window: a sliding window, each query seeing its own position and the window - 1 before it: a band.
     """
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+    return mask if window is None else mask.triu(diagonal=kv_len - q_len - window + 1)
 
 
-def positions_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+def positions_mask(input_pos: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
     """(T, kv_len) booleans, True where the query at position input_pos[t] may look at key position s.
 
     A key is visible when it is not after the query: that hides the future inside a chunk and the
     positions of a fixed-size cache that nothing has been written to yet. input_pos (B, T), each
     row at positions of its own (continuous batching), gives (B, 1, T, kv_len): one mask per row,
-    shared by the heads.
+    shared by the heads. window: only the keys less than window positions back are visible.
     """
-    mask = torch.arange(kv_len, device=input_pos.device) <= input_pos[..., None]  # ([B,] T, kv_len)
+    keys = torch.arange(kv_len, device=input_pos.device)  # (kv_len,)
+    mask = keys <= input_pos[..., None]  # ([B,] T, kv_len)
+    if window is not None:
+        mask = mask & (keys > input_pos[..., None] - window)
     return mask if input_pos.dim() == 1 else mask[:, None]  # (T, kv_len) or (B, 1, T, kv_len)
 
 
 def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention written out; returns the context (B, nh, T, hs) and weights (B, nh, T, S).
 
     q has nh heads, k and v have n_kv heads; query head h reads key/value head h // (nh // n_kv).
     mask (T, S): True where a query may look at a key; default ``causal_mask`` (bottom-right).
+    scale: what the scores are multiplied by; default 1 / sqrt(hs).
     """
     group_size = q.size(1) // k.size(1)
     k = k.repeat_interleave(group_size, dim=1)  # (B, nh, S, hs)
     v = v.repeat_interleave(group_size, dim=1)  # (B, nh, S, hs)
     # Dividing by sqrt(hs) keeps the scores' variance near 1 whatever the head size, so the
     # softmax starts out soft instead of nearly one-hot (which would starve the gradients).
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
+    scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale  # (B, nh, T, S)
     if mask is None:
         mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (T, S)
     scores = scores.masked_fill(~mask, float("-inf"))  # exp(-inf) = 0: the future gets no weight
@@ -65,7 +73,8 @@ def explicit_attention(
 
 
 def fused_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """The same causal attention through scaled_dot_product_attention; returns (B, nh, T, hs).
 
@@ -73,7 +82,8 @@ def fused_attention(
     is right, and lets it pick its fastest kernel. A cache passes its positions mask instead.
     """
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=k.size(1) != q.size(1)
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=k.size(1) != q.size(1),
+        scale=scale,
     )  # (B, nh, T, hs)
 
 
@@ -184,6 +194,8 @@ class MultiHeadAttention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         head_dim: int | None = None,
+        sliding_window: int | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -203,6 +215,8 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d_out // n_heads if head_dim is None else head_dim
         self.dropout = dropout
         self.fused = fused
+        self.sliding_window = sliding_window  # each query sees its own position and the window - 1 before it
+        self.scale = scale  # the scores' factor; None: 1 / sqrt(head_dim)
         self.qkv_sizes = (n_heads * self.head_dim, n_kv_heads * self.head_dim, n_kv_heads * self.head_dim)
         self.qkv = nn.Linear(d_in, sum(self.qkv_sizes), bias=qkv_bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_out, bias=out_bias)
@@ -243,17 +257,20 @@ class MultiHeadAttention(nn.Module):
             # Rotating before caching: a cached key keeps the angle of the position it was made at.
             q = rope(q, start_pos, positions=input_pos)
             k = rope(k, start_pos, positions=input_pos)
+        window = self.sliding_window
         mask = None  # no cache: queries and keys are x's own tokens, plain causal attention
         if kv_cache is not None:
             if input_pos is None:
                 input_pos = torch.arange(start_pos, start_pos + seq_len, device=x.device)  # (T,)
             k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs) with S = the cache's max_seq_len
-            mask = positions_mask(input_pos, k.size(-2))  # (T, S), or (B, 1, T, S) for per-row positions
+            mask = positions_mask(input_pos, k.size(-2), window)  # (T, S), or (B, 1, T, S) for per-row positions
+        elif window is not None and window < seq_len:  # a window as long as x hides nothing: stay causal
+            mask = causal_mask(seq_len, seq_len, x.device, window)  # (T, T): a band
         dropout_p = self.dropout if self.training else 0.0
         if self.fused and not need_weights:
-            context = fused_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs)
+            context = fused_attention(q, k, v, dropout_p, mask, self.scale)  # (B, nh, T, hs)
         else:
-            context, weights = explicit_attention(q, k, v, dropout_p, mask)  # (B, nh, T, hs), (B, nh, T, S)
+            context, weights = explicit_attention(q, k, v, dropout_p, mask, self.scale)  # (B, nh, T, hs), (B, nh, T, S)
         context = context.transpose(1, 2).reshape(batch_size, seq_len, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         out = self.out_proj(context)  # (B, T, d_out)
         return (out, weights) if need_weights else out
@@ -263,4 +280,6 @@ class MultiHeadAttention(nn.Module):
         return (
             f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
             f"dropout={self.dropout}, {path}"
+            + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}")
+            + ("" if self.scale is None else f", scale={self.scale:.4g}")
         )

@@ -57,6 +57,8 @@ def check_mesh(config: GPTConfig, strategy: str, world_size: int, tp: int) -> tu
         raise ValueError(f"{strategy} has no tensor parallelism: tp must be 1, got tp={tp}")
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide world_size={world_size}: the mesh is dp x tp processes")
+    if tp > 1 and config.n_experts is not None:
+        raise ValueError(f"tp={tp}: tensor parallelism does not support a mixture of experts (n_experts) yet")
     for name, size in (("n_heads", config.n_heads), ("n_kv_heads", config.kv_heads), ("d_ff", config.hidden_dim)):
         if size % tp:  # each rank computes whole heads and an equal slice of the MLP
             raise ValueError(f"tp={tp} does not divide {name}={size}: each tensor-parallel rank takes "
@@ -102,16 +104,21 @@ class MemoryPlan:
 def _parameters(config: GPTConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every parameter, a tied one once: the real module, built on the meta device (no memory).
 
-    One block is built and its shapes repeated for the others (every block is alike): a model of
-    many blocks is planned in the time of one.
+    One block of each kind (a dense MLP or a mixture of experts) is built and its shapes repeated for the
+    others of its kind: a model of many blocks is planned in the time of one or two.
     """
-    with torch.device("meta"):
-        model = GPT(replace(config, n_layers=1))
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    block = [(name.removeprefix("blocks.0."), shape) for name, shape in shapes if name.startswith("blocks.0.")]
-    first = next(i for i, (name, _) in enumerate(shapes) if name.startswith("blocks.0."))
-    blocks = [(f"blocks.{i}.{name}", shape) for i in range(config.n_layers) for name, shape in block]
-    return tuple(shapes[:first] + blocks + shapes[first + len(block):])
+    kinds = {}  # is_moe -> (shapes around the blocks, the block's (name, shape)s)
+    for moe in sorted({config.is_moe(i) for i in range(config.n_layers)}):
+        with torch.device("meta"):
+            model = GPT(replace(config, n_layers=1, layer_types=None, dense_layers=() if moe else (0,)))
+        shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+        first = next(i for i, (name, _) in enumerate(shapes) if name.startswith("blocks.0."))
+        block = [(name.removeprefix("blocks.0."), shape) for name, shape in shapes if name.startswith("blocks.0.")]
+        kinds[moe] = (shapes[:first], block, shapes[first + len(block):])
+    before, _, after = next(iter(kinds.values()))
+    blocks = [(f"blocks.{i}.{name}", shape) for i in range(config.n_layers) for name, shape in
+              kinds[config.is_moe(i)][1]]
+    return tuple(before + blocks + after)
 
 
 def _tp_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
@@ -187,8 +194,14 @@ def _norm_bytes(config: GPTConfig, act: int, output_saved: bool = True) -> int:
     return act * d + 8 + (act * d if output_saved else 0)
 
 
-def _block_bytes(config: GPTConfig, batch_size: int, seq_len: int, act: int, tp: int) -> int:
-    """Bytes one block saves for backward (the attention and MLP inside split across tp ranks)."""
+def _block_bytes(config: GPTConfig, batch_size: int, seq_len: int, act: int, tp: int, moe: bool = False) -> int:
+    """Bytes one block saves for backward (the attention and MLP inside split across tp ranks).
+
+    moe: a mixture of experts, whose every token saves, for each of its k experts, what a gated MLP saves, its
+    own copy (the rows gathered for the expert), the expert's output, its weight and their product (mixed in
+    with index_add), and three int64 indices (the expert, the sorted slot, the row); and the router's float32
+    probabilities, top-k weights and their sum.
+    """
     ff, hs = config.hidden_dim, config.head_dim
     nh, nkv = config.n_heads // tp, config.kv_heads // tp  # this rank's heads
     if config.fused_attention:
@@ -202,8 +215,19 @@ def _block_bytes(config: GPTConfig, batch_size: int, seq_len: int, act: int, tp:
         attention = act * 3 * nh * hs + act * nh * seq_len
         per_sequence = seq_len * seq_len  # the boolean causal mask, once per block
     attention += act * nh * hs  # the heads' output, out_proj's input
-    mlp = act * (4 if config.mlp == "swiglu" else 2) * (ff // tp)  # gate, silu, up, product / fc, gelu
-    return batch_size * seq_len * (2 * _norm_bytes(config, act) + attention + mlp) + per_sequence
+    if config.qk_norm:  # the normed queries and keys, 1/rms per head, and in mixed precision their float32 copy
+        width = (nh + nkv) * hs
+        attention += act * width + 4 * (nh + nkv) + (4 * width if act != 4 else 0)
+    gated = config.mlp in ("swiglu", "geglu")
+    mlp = act * (4 if gated else 2) * (ff // tp)  # gate, silu, up, product / fc, gelu
+    if moe:
+        k = config.experts_per_token
+        mlp = act * k * (4 * config.expert_dim + 3 * config.d_model + 1) + 3 * 8 * k + 4 * (config.n_experts + k + 1)
+        mlp += act * 4 * config.shared_experts * config.expert_dim
+    norms = 2 * _norm_bytes(config, act)
+    if config.post_norms:  # their outputs go into the residual sum, which saves nothing
+        norms += 2 * _norm_bytes(config, act, output_saved=False)
+    return batch_size * seq_len * (norms + attention + mlp) + per_sequence
 
 
 def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int, act: int, tp: int = 1,
@@ -219,8 +243,8 @@ def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int, act: int,
     presets use dropout 0).
     """
     tokens = batch_size * seq_len
-    block = _block_bytes(config, batch_size, seq_len, act, tp)
-    blocks = config.n_layers * act * tokens * config.d_model + block if checkpointing else config.n_layers * block
+    each = [_block_bytes(config, batch_size, seq_len, act, tp, config.is_moe(i)) for i in range(config.n_layers)]
+    blocks = config.n_layers * act * tokens * config.d_model + max(each) if checkpointing else sum(each)
     outside = 8 * tokens + (8 * seq_len if config.position == "learned" else 0)  # ids, positions (int64)
     outside += tokens * _norm_bytes(config, act, output_saved=False)  # the loss saves no input, only gradients
     outside += act * tokens * config.d_model + 8 + 4 * config.vocab_size * config.d_model  # grad_hidden, count, grad_weight

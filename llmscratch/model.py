@@ -12,14 +12,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmscratch.attention import KVCache, MultiHeadAttention, check_heads
-from llmscratch.config import check_fields, positive, positive_int, setting
+from llmscratch.config import ConfigError, check_fields, positive, positive_int, setting
 from llmscratch.losses import head_cross_entropy
+from llmscratch.mlp import GELUMLP, SwiGLU
+from llmscratch.moe import MoE
 from llmscratch.norm import RMSNorm
 from llmscratch.rope import RotaryEmbedding
+
+
+LAYER_TYPES = ("full", "sliding")
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,8 @@ class GPTConfig:
                                      positive_int)
     d_ff: int | None = setting(None, "MLP hidden size; None: 4 * d_model", positive_int)
     norm: str = setting("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
-    mlp: str = setting("gelu", "feed-forward layer; relu2: GELU's shape with max(0, x)^2",
-                       choices=("gelu", "swiglu", "relu2"))
+    mlp: str = setting("gelu", "feed-forward layer; relu2: GELU's shape with max(0, x)^2; geglu: SwiGLU's shape "
+                               "with the tanh GELU as its gate (Gemma)", choices=("gelu", "swiglu", "relu2", "geglu"))
     position: str = setting("learned", "learned position embeddings or rotary ones (RoPE)",
                             choices=("learned", "rope"))
     rope_theta: float = setting(10_000.0, "RoPE's base: the slowest pair turns once every ~2 pi theta positions",
@@ -53,8 +57,41 @@ class GPTConfig:
     head_size: int | None = setting(None, "each head's width; None: d_model // n_heads (a model with heads pruned "
                                           "away keeps their width and has fewer of them, llmscratch.prune)",
                                     positive_int)
+    # Gemma 3's choices: sliding-window layers, norms after the sublayers too, scaled embeddings
+    sliding_window: int | None = setting(None, "keys a sliding layer's query sees: its own position and the "
+                                               "window - 1 before it", positive_int)
+    layer_types: tuple[str, ...] | None = setting(
+        None, "each layer's attention, 'full' or 'sliding'; None: all sliding with a sliding_window, else all full",
+        lambda value: None if isinstance(value, tuple) and set(value) <= set(LAYER_TYPES) else
+        f"must be a tuple of {list(LAYER_TYPES)}")
+    rope_local_theta: float | None = setting(None, "RoPE's base in the sliding layers (Gemma 3: 10,000 there, "
+                                                   "1,000,000 in the full ones); None: rope_theta", positive)
+    rope_scaling: float = setting(1.0, "linear RoPE scaling of the full layers: their positions divided by this "
+                                       "(Gemma 3 4B and larger: 8)", positive)
+    post_norms: bool = setting(False, "also normalise each sublayer's output before it joins the residual "
+                                      "(Gemma 2 and 3)")
+    scale_embeddings: bool = setting(False, "multiply the token embeddings by sqrt(d_model) (Gemma)")
+    query_scale: float | None = setting(None, "attention scores are divided by sqrt(this); None: the head size "
+                                              "(Gemma's query_pre_attn_scalar)", positive)
+    # Mixture of experts (llmscratch.moe): each token goes through its top-k of n_experts MLPs
+    n_experts: int | None = setting(None, "experts in each mixture-of-experts MLP; None: a dense MLP",
+                                    lambda value: None if value >= 2 else "must be at least 2")
+    experts_per_token: int = setting(2, "experts each token is sent to (the router's top k)", positive_int)
+    d_expert: int | None = setting(None, "hidden size of each expert; None: d_ff", positive_int)
+    shared_experts: int = setting(0, "experts every token goes through besides its routed ones (one MLP of "
+                                     "shared_experts x d_expert)", lambda value: None if value >= 0 else "must be >= 0")
+    norm_topk: bool = setting(True, "rescale each token's top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE)")
+    dense_layers: tuple[int, ...] = setting((), "layers that keep a dense MLP in a mixture-of-experts model",
+                                            lambda value: None if isinstance(value, tuple) and all(
+                                                isinstance(i, int) and i >= 0 for i in value) else
+                                            "must be a tuple of layer indices")
+    router_aux_weight: float = setting(0.01, "weight of the experts' load-balancing loss in the training loss",
+                                       lambda value: None if value >= 0 else "must be >= 0")
 
     def __post_init__(self):
+        for name in ("layer_types", "dense_layers"):  # a JSON list (a checkpoint's config) is kept as a tuple
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         check_fields(self)  # each field on its own: kind, range, choices
         if self.head_size is None:
             check_heads(self.d_model, self.n_heads, self.kv_heads, width_name="d_model")
@@ -62,11 +99,43 @@ class GPTConfig:
             check_heads(self.n_heads * self.head_size, self.n_heads, self.kv_heads, width_name="n_heads * head_size")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise ConfigError("layer_types", f"must name one type per layer ({self.n_layers})", self.layer_types)
+        if "sliding" in self.attention_types and self.sliding_window is None:
+            raise ConfigError("sliding_window", "must be set for layer_types with 'sliding' layers", None)
+        if self.n_experts is not None:
+            if self.mlp not in ("swiglu", "geglu"):
+                raise ConfigError("mlp", "must be swiglu or geglu in a mixture-of-experts model (its experts are "
+                                         "gated MLPs)", self.mlp)
+            if self.experts_per_token > self.n_experts:
+                raise ConfigError("experts_per_token", f"must be at most n_experts={self.n_experts}",
+                                  self.experts_per_token)
+            if any(i >= self.n_layers for i in self.dense_layers):
+                raise ConfigError("dense_layers", f"must be layer indices below n_layers={self.n_layers}",
+                                  self.dense_layers)
 
     def __repr__(self) -> str:
-        # head_size only where it is set (a pruned model's config), so the usual configs print as they always have
-        shown = [f for f in dataclasses.fields(self) if f.name != "head_size" or self.head_size is not None]
+        # The fields added after GPT-2 and Llama (head_size and on) only where they differ from their default, so
+        # the usual configs print as they always have.
+        names = [f.name for f in dataclasses.fields(self)]
+        later = names[names.index("head_size"):]
+        shown = [f for f in dataclasses.fields(self) if f.name not in later or getattr(self, f.name) != f.default]
         return f"GPTConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Each layer's attention, 'full' or 'sliding'."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("full" if self.sliding_window is None else "sliding",) * self.n_layers
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture of experts for its MLP."""
+        return self.n_experts is not None and layer not in self.dense_layers
+
+    @property
+    def expert_dim(self) -> int:
+        return self.hidden_dim if self.d_expert is None else self.d_expert
 
     @property
     def head_dim(self) -> int:
@@ -118,37 +187,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-class GELUMLP(nn.Module):
-    """GPT-2's feed-forward layer: expand, GELU (tanh approximation), project back.
-
-    squared_relu: max(0, x)^2 instead of GELU (the speedruns' choice; as sparse as ReLU, smooth at 0).
-    """
-
-    def __init__(self, d_model: int, hidden: int, bias: bool, squared_relu: bool = False):
-        super().__init__()
-        self.fc = nn.Linear(d_model, hidden, bias=bias)
-        self.proj = nn.Linear(hidden, d_model, bias=bias)
-        self.squared_relu = squared_relu
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.fc(x)  # (B, T, hidden)
-        hidden = F.relu(hidden).square() if self.squared_relu else F.gelu(hidden, approximate="tanh")
-        return self.proj(hidden)  # (B, T, d_model)
-
-
-class SwiGLU(nn.Module):
-    """Llama's feed-forward layer: a SiLU-activated gate multiplies a second projection."""
-
-    def __init__(self, d_model: int, hidden: int, bias: bool):
-        super().__init__()
-        self.gate = nn.Linear(d_model, hidden, bias=bias)
-        self.up = nn.Linear(d_model, hidden, bias=bias)
-        self.down = nn.Linear(hidden, d_model, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, d_model)
-
-
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, eps=config.norm_eps)
@@ -156,28 +194,46 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """One transformer block: pre-norm attention and pre-norm MLP, each added to the residual."""
+    """One transformer block: pre-norm attention and pre-norm MLP, each added to the residual.
 
-    def __init__(self, config: GPTConfig):
+    Block ``layer`` of its config: a sliding or full attention layer (``config.attention_types``), a dense MLP or a
+    mixture of experts (``config.is_moe``); with post_norms, each sublayer's output is normalised too (Gemma).
+    """
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
+        sliding = config.attention_types[layer] == "sliding"
         self.attn_norm = make_norm(config)
         self.attn = MultiHeadAttention(
             config.d_model, config.d_model, config.n_heads, config.kv_heads, qkv_bias=config.qkv_bias,
             out_bias=config.bias, dropout=config.dropout, fused=config.fused_attention,
             qk_norm=config.qk_norm, norm_eps=config.norm_eps, head_dim=config.head_size,
+            sliding_window=config.sliding_window if sliding else None,
+            scale=None if config.query_scale is None else config.query_scale ** -0.5,
         )
+        self.attn_post_norm = make_norm(config) if config.post_norms else None
         self.mlp_norm = make_norm(config)
-        if config.mlp == "swiglu":
-            self.mlp = SwiGLU(config.d_model, config.hidden_dim, bias=config.bias)
+        activation = "gelu" if config.mlp == "geglu" else "silu"
+        if config.is_moe(layer):
+            self.mlp = MoE(config.d_model, config.expert_dim, config.n_experts, config.experts_per_token,
+                           norm_topk=config.norm_topk, shared_experts=config.shared_experts, activation=activation)
+        elif config.mlp in ("swiglu", "geglu"):
+            self.mlp = SwiGLU(config.d_model, config.hidden_dim, bias=config.bias, activation=activation)
         else:
             self.mlp = GELUMLP(config.d_model, config.hidden_dim, bias=config.bias, squared_relu=config.mlp == "relu2")
+        self.mlp_post_norm = make_norm(config) if config.post_norms else None
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, kv_cache: KVCache | None,
                 start_pos: int, *, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         attended = self.attn(self.attn_norm(x), rope, kv_cache, start_pos, input_pos=input_pos)  # (B, T, d)
+        if self.attn_post_norm is not None:
+            attended = self.attn_post_norm(attended)
         x = x + self.dropout(attended)  # (B, T, d)
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d)
+        out = self.mlp(self.mlp_norm(x))  # (B, T, d)
+        if self.mlp_post_norm is not None:
+            out = self.mlp_post_norm(out)
+        return x + self.dropout(out)  # (B, T, d)
 
 
 class GPT(nn.Module):
@@ -192,9 +248,15 @@ class GPT(nn.Module):
             self.rope = None
         else:
             self.position_embedding = None
-            self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
+            self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta, config.rope_scaling)
+        # The sliding layers' own table, where it differs from the full layers' (Gemma 3: another base, no scaling)
+        self.rope_local = None
+        if config.position == "rope" and "sliding" in config.attention_types and (
+                config.rope_local_theta not in (None, config.rope_theta) or config.rope_scaling != 1):
+            theta = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
+            self.rope_local = RotaryEmbedding(config.head_dim, config.context_length, theta)
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.final_norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -205,7 +267,8 @@ class GPT(nn.Module):
         # zero_init_residual goes all the way: every block starts as the identity, and its
         # projections grow from zero with their first gradients (as the speedruns of small GPTs do).
         for name, param in self.named_parameters():
-            if name.endswith(("attn.out_proj.weight", "mlp.proj.weight", "mlp.down.weight")):
+            if name.endswith(("attn.out_proj.weight", "mlp.proj.weight", "mlp.down.weight", "mlp.down",
+                              "mlp.shared.down.weight")):  # the last two: a mixture of experts' and its shared MLP
                 if config.zero_init_residual:
                     nn.init.zeros_(param)
                 else:
@@ -233,24 +296,37 @@ class GPT(nn.Module):
         cross-entropy, the same number as ``F.cross_entropy(logits.float().flatten(0, 1),
         targets.flatten())`` but computed chunk by chunk through whatever ``lm_head`` is
         (``llmscratch.losses.head_cross_entropy``): the (B, T, V) logits, the largest tensor of a
-        training step, are never stored.
+        training step, are never stored. A mixture-of-experts model in training mode adds its
+        load-balancing loss times ``router_aux_weight``.
         Nothing is checked on the way, at every decoding step: an id outside the vocabulary or a
         position past the context is named when its lookup fails, at no cost to the calls that work.
         """
         x = self._embed(idx, start_pos, input_pos)  # (B, T, d)
         x = self.dropout(x)
+        types = self.config.attention_types
         for i, block in enumerate(self.blocks):
-            x = block(x, self.rope, None if kv_caches is None else kv_caches[i], start_pos, input_pos=input_pos)
+            rope = self.rope_local if self.rope_local is not None and types[i] == "sliding" else self.rope
+            x = block(x, rope, None if kv_caches is None else kv_caches[i], start_pos, input_pos=input_pos)
         x = self.final_norm(x)  # (B, T, d)
         if targets is not None:
-            return head_cross_entropy(x.flatten(0, 1), self.lm_head, targets.flatten())  # ()
+            loss = head_cross_entropy(x.flatten(0, 1), self.lm_head, targets.flatten())  # ()
+            if self.training and self.config.n_experts is not None and self.config.router_aux_weight:
+                loss = loss + self.config.router_aux_weight * self.balance_loss()
+            return loss
         return self.lm_head(x)  # (B, T, vocab_size)
+
+    def balance_loss(self) -> torch.Tensor:
+        """The experts' load-balancing loss of the last training forward, averaged over the MoE layers (1: even)."""
+        losses = [block.mlp.aux_loss for block in self.blocks if isinstance(block.mlp, MoE)]
+        return torch.stack(losses).mean()  # ()
 
     def _embed(self, idx: torch.Tensor, start_pos: int, input_pos: torch.Tensor | None) -> torch.Tensor:
         """Token (and learned position) embeddings of ``idx`` (B, T); a lookup that fails is a ValueError naming why."""
         seq_len = idx.size(1)
         try:  # diagnosed only when a lookup fails: nothing is spent on good ids (CUDA asserts on its device)
             x = self.token_embedding(idx)  # (B, T, d)
+            if self.config.scale_embeddings:  # sqrt(d_model), rounded to the weights' dtype as Gemma does
+                x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
             if self.position_embedding is not None:
                 positions = input_pos
                 if positions is None:
@@ -284,31 +360,41 @@ class GPT(nn.Module):
             for block in self.blocks
         ]
 
-    def num_params(self, include_embeddings: bool = True) -> int:
+    def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Parameter count (a tied matrix once); without embeddings: minus token and position tables.
 
         With untied embeddings the output head is a real matrix multiply and stays counted.
+        active: only the parameters one token goes through, which in a mixture of experts is k of its
+        n_experts experts (the router and any shared expert whole).
         """
         total = count_parameters(self)
         if not include_embeddings:
             total -= self.token_embedding.weight.numel()
             if self.position_embedding is not None:
                 total -= self.position_embedding.weight.numel()
+        if active:
+            for moe in (block.mlp for block in self.blocks if isinstance(block.mlp, MoE)):
+                experts = sum(w.numel() for w in (moe.gate, moe.up, moe.down))
+                total -= experts // moe.n_experts * (moe.n_experts - moe.k)
         return total
 
     def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> int:
         """Matmul FLOPs per token: 2 per weight plus attention's QK^T and AV; x3 for training.
 
         The estimate of the PaLM paper (appendix B): every weight of a matrix multiply costs a
-        multiply and an add per token; attention adds 2 * 2 * n_layers * seq_len * d_model.
+        multiply and an add per token; attention adds 2 * 2 * n_layers * seq_len * d_model. A mixture
+        of experts counts the weights a token goes through (``num_params(active=True)``); a sliding
+        layer attends over at most its window.
         """
         seq_len = self.config.context_length if seq_len is None else seq_len
-        matmul_weights = self.num_params(include_embeddings=False)
+        matmul_weights = self.num_params(include_embeddings=False, active=True)
         if self.config.tie_embeddings:
             matmul_weights += self.lm_head.weight.numel()  # the tied table is also the output head
         matmul_weights -= sum(p.numel() for n, p in self.named_parameters() if p.dim() < 2)
         attention_width = self.config.n_heads * self.config.head_dim  # d_model unless heads were pruned
-        forward = 2 * matmul_weights + 4 * self.config.n_layers * seq_len * attention_width
+        window = self.config.sliding_window or seq_len
+        keys = sum(min(seq_len, window) if kind == "sliding" else seq_len for kind in self.config.attention_types)
+        forward = 2 * matmul_weights + 4 * keys * attention_width
         return 3 * forward if training else forward
 
 

@@ -186,11 +186,14 @@ def apply_tp(model: GPT, mesh: DeviceMesh) -> GPT:
     are their gradients. Each rank then computes n_heads/tp query heads and n_kv_heads/tp key/value heads, so
     the attention module is given its local head counts. The sizes must divide (``memory.check_mesh``).
     """
+    if model.config.n_experts is not None:
+        raise ValueError("tensor parallelism does not support a mixture of experts (n_experts) yet: its experts "
+                         "would be split by expert across ranks (expert parallelism), not by rows")
     if model.config.qk_norm:  # its gains would see each rank's own heads: their gradients need a sum over ranks
         raise ValueError("tensor parallelism does not support qk_norm=True yet (each rank's QK-norm gains would "
                          "get the gradient of its own heads only); use --parallel ddp or fsdp, or no QK-norm")
     tp = mesh.size()
-    mlp = {"fc": ColwiseParallel(), "proj": RowwiseParallel()} if model.config.mlp != "swiglu" else \
+    mlp = {"fc": ColwiseParallel(), "proj": RowwiseParallel()} if model.config.mlp not in ("swiglu", "geglu") else \
         {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
     plan = {"attn.qkv.q": ColwiseParallel(), "attn.qkv.k": ColwiseParallel(), "attn.qkv.v": ColwiseParallel(),
             "attn.out_proj": RowwiseParallel(), **{f"mlp.{name}": style for name, style in mlp.items()}}

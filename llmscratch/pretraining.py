@@ -201,6 +201,13 @@ def model_config_for(args, vocab_size: int) -> GPTConfig:
             overrides["d_ff"] = preset.hidden_dim * 3 // 2 if preset.mlp == "swiglu" else preset.hidden_dim * 2 // 3
     if args.d_ff is not None:
         overrides["d_ff"] = args.d_ff
+    if getattr(args, "experts", None) is not None:  # (a run folder from before --experts has none)
+        # SwiGLU experts; by default k of them hold the weights of the dense MLP (a gated MLP of 2/3 a plain one's width)
+        dense = GPTConfig.from_preset(args.preset, **overrides)
+        gated_width = dense.hidden_dim if dense.mlp == "swiglu" else dense.hidden_dim * 2 // 3
+        overrides.update(mlp="swiglu", n_experts=args.experts, experts_per_token=args.experts_per_token,
+                         d_expert=args.d_expert or max(1, gated_width // args.experts_per_token),
+                         router_aux_weight=args.router_aux_weight)
     return GPTConfig.from_preset(args.preset, **overrides)
 
 
@@ -254,7 +261,9 @@ def train_and_export(args, dist, tokenizer, train, val, model_config, train_conf
     with torch.device("meta") if sharded and not dist.is_main else contextlib.nullcontext():
         model = GPT(model_config)
     dp, _ = mesh_shape(model_config, train_config, dist.world_size)
-    say(f"model: {args.preset}, {model.num_params():,} parameters, context {model_config.context_length}, "
+    active = model.num_params(active=True)
+    active = f" ({active:,} active per token)" if active != model.num_params() else ""
+    say(f"model: {args.preset}, {model.num_params():,} parameters{active}, context {model_config.context_length}, "
         f"vocabulary {model_config.vocab_size:,} | {dist.world_size} process(es) on {dist.device.type}"
         f"{f' ({train_config.parallel}: sharded)' if train_config.parallel != 'ddp' and dist.enabled else ''}, "
         f"{train_config.dtype}{', compiled' if train_config.compile else ''}, "

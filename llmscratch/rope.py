@@ -18,7 +18,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables for positions 0..max_seq_len-1; call it on queries or keys."""
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10_000.0):
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10_000.0, scaling: float = 1.0):
         super().__init__()
         if head_dim <= 0 or head_dim % 2:
             raise ValueError(
@@ -30,6 +30,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
         self.theta = theta
+        self.scaling = scaling  # linear scaling: every position divided by this, so the angles turn slower
         self.reset_tables()
 
     def reset_tables(self) -> None:
@@ -37,7 +38,7 @@ class RotaryEmbedding(nn.Module):
         device = self.cos.device if hasattr(self, "cos") else None
         # float64 for the angles: position * frequency loses digits in float32 at long contexts.
         pair_index = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)  # (hs/2,)
-        inv_freq = self.theta ** (-pair_index / self.head_dim)  # (hs/2,) from 1 down to ~1/theta
+        inv_freq = self.theta ** (-pair_index / self.head_dim) / self.scaling  # (hs/2,) from 1 down to ~1/theta
         positions = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)  # (T_max,)
         angles = torch.outer(positions, inv_freq)  # (T_max, hs/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T_max, hs): both halves of a pair share an angle
@@ -73,4 +74,5 @@ class RotaryEmbedding(nn.Module):
         return x * cos + rotate_half(x) * sin  # (B, nh, T, hs)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
+        scaling = "" if self.scaling == 1 else f", scaling={self.scaling}"
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}{scaling}"

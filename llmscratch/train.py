@@ -35,6 +35,7 @@ from llmscratch.data import RandomWindowBatches
 from llmscratch.evaluation import evaluate, token_byte_lengths
 from llmscratch.flops import peak_flops
 from llmscratch.model import GPT
+from llmscratch.moe import expert_load
 from llmscratch.optim import (
     OptimizerStep,
     TrainingDiverged,
@@ -200,6 +201,9 @@ class Trainer:
         if self.step % config.eval_interval == 0 or last:
             metrics = self.evaluate(config.final_eval_tokens if last else config.eval_tokens)
             record.update({f"val_{k}": v for k, v in metrics.items()})
+            if (load := expert_load(self.model)) is not None:  # the router's statistics since the last evaluation
+                record["expert_load"] = load
+                record["balance_loss"] = self.model.balance_loss().item()
         # A sharded model's forward needs every rank (each gathers the weights with the others), so all
         # of them generate the sample: the same seeded generator gives the same text everywhere.
         if (self.step % config.sample_interval == 0 or last) and (self.dist.is_main or self.sharded):

@@ -1,8 +1,9 @@
 """Model weights from files: Hugging Face checkpoints in and out, and any model the course writes.
 
 A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
-``model.safetensors.index.json``). ``load_hf`` maps each tensor to our names and fails, naming
-the tensor, on anything missing, unexpected or mis-shaped; ``save_hf`` writes the reverse.
+``model.safetensors.index.json``). ``load_hf`` maps each tensor to our names (``llmscratch.hf_formats``:
+GPT-2, Llama, Qwen3, Gemma 3, Qwen3-MoE, Mixtral) and fails, naming the tensor, on anything missing,
+unexpected or mis-shaped; ``save_hf`` writes the reverse.
 ``load_model_and_tokenizer`` opens every source a chapter produces (a pretraining run folder,
 its checkpoint.pt or model.safetensors, a Hugging Face folder) with the tokenizer that fits it.
 """
@@ -11,7 +12,6 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,200 +19,14 @@ import torch
 from llmscratch.atomic import write_text_atomically
 from llmscratch.checkpoint import (EXPORT_FORMAT, check_weights, model_from_checkpoint, read_safetensors,
                                   tokenizer_from_checkpoint, write_safetensors)
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.hf_formats import IGNORED_SUFFIXES, config_from_hf, config_to_hf, family_of, hf_to_ours, ours_to_hf
+from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 
+__all__ = ["config_from_hf", "config_to_hf", "download_gpt2", "family_of", "hf_to_ours", "load_hf",
+           "load_model_and_tokenizer", "ours_to_hf", "save_hf"]  # the mapping's names from hf_formats too
+
 GPT2_VOCAB_SIZE = 50257
-
-# HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
-_GPT2_LAYER = {  # ours -> HF, inside block i / h.i; "T" marks a transposed Conv1D weight
-    "attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
-    "attn.qkv.weight": "attn.c_attn.weight T", "attn.qkv.bias": "attn.c_attn.bias",
-    "attn.out_proj.weight": "attn.c_proj.weight T", "attn.out_proj.bias": "attn.c_proj.bias",
-    "mlp_norm.weight": "ln_2.weight", "mlp_norm.bias": "ln_2.bias",
-    "mlp.fc.weight": "mlp.c_fc.weight T", "mlp.fc.bias": "mlp.c_fc.bias",
-    "mlp.proj.weight": "mlp.c_proj.weight T", "mlp.proj.bias": "mlp.c_proj.bias",
-}
-_LLAMA_LAYER = {  # ours -> HF, inside block i / model.layers.i (qkv is handled apart)
-    "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-    "attn.out_proj.weight": "self_attn.o_proj.weight", "attn.out_proj.bias": "self_attn.o_proj.bias",
-    "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.gate.bias": "mlp.gate_proj.bias",
-    "mlp.up.weight": "mlp.up_proj.weight", "mlp.up.bias": "mlp.up_proj.bias",
-    "mlp.down.weight": "mlp.down_proj.weight", "mlp.down.bias": "mlp.down_proj.bias",
-}
-# Buffers some GPT-2 checkpoints carry (the causal mask): derived, never needed.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-
-
-# --------------------------------------------------------------------------- configs
-def config_from_hf(hf: dict) -> GPTConfig:
-    """Our GPTConfig for a Hugging Face ``config.json`` of the GPT-2 or Llama family."""
-    try:
-        return _config_from_hf(hf)
-    except KeyError as err:
-        raise ValueError(f"the Hugging Face config has no {err.args[0]!r} entry, which a "
-                         f"{hf.get('model_type')} config needs") from None
-
-
-def _config_from_hf(hf: dict) -> GPTConfig:
-    family = hf.get("model_type")
-    if family == "gpt2":
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-            if hf.get(flag):
-                raise ValueError(f"GPT-2 option {flag}=true is not supported")
-        if not hf.get("scale_attn_weights", True):
-            raise ValueError("GPT-2 option scale_attn_weights=false is not supported: our attention "
-                             "always divides the scores by sqrt(head_dim)")
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported; "
-                             "expected the tanh GELU ('gelu_new')")
-        return GPTConfig(
-            vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
-            n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", True),
-        )
-    if family == "llama":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"RoPE scaling {rope!r} is not supported; only plain RoPE")
-        heads = hf["num_attention_heads"]
-        if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-            raise ValueError(f"head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Llama activation {hf['hidden_act']!r} is not supported; expected 'silu'")
-        attention_bias = hf.get("attention_bias", False)
-        if hf.get("mlp_bias", False) != attention_bias:
-            raise ValueError("attention_bias and mlp_bias must be equal (both biases or none)")
-        return GPTConfig(
-            vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
-            d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads", heads), d_ff=hf["intermediate_size"],
-            norm="rmsnorm", mlp="swiglu", position="rope",
-            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10_000.0)),
-            qkv_bias=attention_bias, bias=attention_bias, norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-        )
-    raise ValueError(f"model_type {family!r} is not supported; expected 'gpt2' or 'llama'")
-
-
-def family_of(config: GPTConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face family that can hold this configuration."""
-    if config.qk_norm:
-        raise ValueError("a model with qk_norm=True has query/key norms that neither GPT-2 nor Llama has, so "
-                         "no Hugging Face format here holds it (its safetensors export still does)")
-    if (config.norm, config.mlp, config.position) == ("layernorm", "gelu", "learned") \
-            and config.kv_heads == config.n_heads and config.qkv_bias and config.bias:
-        return "gpt2"
-    if (config.norm, config.mlp, config.position) == ("rmsnorm", "swiglu", "rope") \
-            and config.qkv_bias == config.bias:
-        return "llama"
-    raise ValueError(f"this configuration is neither GPT-2 nor Llama shaped, so no Hugging Face "
-                     f"format holds it: {config}")
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    """The ``config.json`` transformers needs to rebuild this model."""
-    if family_of(config) == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "vocab_size": config.vocab_size, "n_positions": config.context_length,
-                "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
-                "n_inner": config.d_ff, "activation_function": "gelu_new",
-                "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-                "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
-            "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
-            "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
-            "head_dim": config.head_dim, "intermediate_size": config.hidden_dim, "hidden_act": "silu",
-            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-            "attention_bias": config.bias, "mlp_bias": config.bias,
-            "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.dropout}
-
-
-# --------------------------------------------------------------------------- tensors
-def hf_to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Rename (and transpose or concatenate) HF tensors into our state dict; strict about leftovers."""
-    tensors = dict(tensors)
-    take = _taker(tensors)
-    ours = {}
-    if family_of(config) == "gpt2":
-        prefix = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
-        ours["token_embedding.weight"] = take(f"{prefix}wte.weight")
-        ours["position_embedding.weight"] = take(f"{prefix}wpe.weight")
-        ours["final_norm.weight"] = take(f"{prefix}ln_f.weight")
-        ours["final_norm.bias"] = take(f"{prefix}ln_f.bias")
-        for i in range(config.n_layers):
-            for name, hf_name in _GPT2_LAYER.items():
-                hf_name, _, transposed = hf_name.partition(" ")
-                tensor = take(f"{prefix}h.{i}.{hf_name}")
-                ours[f"blocks.{i}.{name}"] = tensor.t() if transposed else tensor
-        for name in [k for k in tensors if k.endswith(_IGNORED_SUFFIXES)]:
-            del tensors[name]
-    else:
-        ours["token_embedding.weight"] = take("model.embed_tokens.weight")
-        ours["final_norm.weight"] = take("model.norm.weight")
-        for i in range(config.n_layers):
-            layer = f"model.layers.{i}"
-            for name, hf_name in _LLAMA_LAYER.items():
-                if name.endswith(".bias") and not config.bias:
-                    continue
-                ours[f"blocks.{i}.{name}"] = take(f"{layer}.{hf_name}")
-            # Our fused qkv projection is q_proj, k_proj and v_proj stacked along the output rows.
-            parts = ("weight", "bias") if config.qkv_bias else ("weight",)
-            for part in parts:
-                ours[f"blocks.{i}.attn.qkv.{part}"] = torch.cat(
-                    [take(f"{layer}.self_attn.{p}_proj.{part}") for p in "qkv"])
-    if config.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # some files store the tied head as well
-        ours["lm_head.weight"] = ours["token_embedding.weight"]
-    else:
-        ours["lm_head.weight"] = take("lm_head.weight")
-    if tensors:
-        raise ValueError(f"unexpected tensors in the checkpoint: {sorted(tensors)[:10]}")
-    return ours
-
-
-def ours_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict under transformers' names (the inverse of ``hf_to_ours``)."""
-    hf = {}
-    if family_of(config) == "gpt2":
-        hf["transformer.wte.weight"] = state["token_embedding.weight"]
-        hf["transformer.wpe.weight"] = state["position_embedding.weight"]
-        hf["transformer.ln_f.weight"] = state["final_norm.weight"]
-        hf["transformer.ln_f.bias"] = state["final_norm.bias"]
-        for i in range(config.n_layers):
-            for name, hf_name in _GPT2_LAYER.items():
-                hf_name, _, transposed = hf_name.partition(" ")
-                tensor = state[f"blocks.{i}.{name}"]
-                hf[f"transformer.h.{i}.{hf_name}"] = tensor.t() if transposed else tensor
-    else:
-        hf["model.embed_tokens.weight"] = state["token_embedding.weight"]
-        hf["model.norm.weight"] = state["final_norm.weight"]
-        sizes = (config.n_heads * config.head_dim, config.kv_heads * config.head_dim,
-                 config.kv_heads * config.head_dim)
-        for i in range(config.n_layers):
-            layer = f"model.layers.{i}"
-            for name, hf_name in _LLAMA_LAYER.items():
-                if f"blocks.{i}.{name}" in state:
-                    hf[f"{layer}.{hf_name}"] = state[f"blocks.{i}.{name}"]
-            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
-                q, k, v = state[f"blocks.{i}.attn.qkv.{part}"].split(sizes)
-                for proj, tensor in zip("qkv", (q, k, v)):
-                    hf[f"{layer}.self_attn.{proj}_proj.{part}"] = tensor
-    if not config.tie_embeddings:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    return {name: tensor.contiguous() for name, tensor in hf.items()}
-
-
-def _taker(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"the checkpoint has no tensor {name!r} (missing)")
-        return tensors.pop(name)
-    return take
-
 
 # --------------------------------------------------------------------------- files
 def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
@@ -227,7 +41,7 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
     tensors = {}
     for shard in _shard_files(folder):
         weights = read_safetensors(shard)[1]
-        check_weights({name: t for name, t in weights.items() if not name.endswith(_IGNORED_SUFFIXES)}, shard)
+        check_weights({name: t for name, t in weights.items() if not name.endswith(IGNORED_SUFFIXES)}, shard)
         tensors.update(weights)
     state = hf_to_ours(tensors, config)
     model = GPT(config)

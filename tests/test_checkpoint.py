@@ -122,9 +122,9 @@ def test_files_that_are_not_checkpoints(tmp_path):
     with pytest.raises(ValueError, match="not an llmscratch checkpoint"):
         model_from_checkpoint(tmp_path / "foreign.pt")
     state = checkpoint_of(tiny_model())
-    state["model_config"]["n_experts"] = 8
+    state["model_config"]["attention_sinks"] = 8
     save_checkpoint(tmp_path / "future.pt", state)
-    with pytest.raises(ValueError, match=r"does not know: \['n_experts'\]"):
+    with pytest.raises(ValueError, match=r"does not know: \['attention_sinks'\]"):
         model_from_checkpoint(tmp_path / "future.pt")
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(ValueError, match="not a readable safetensors file"):

@@ -25,7 +25,7 @@ from llmscratch.generate import decode_one_token, generate, prefill
 from llmscratch.instruct import format_chat, format_prompt
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.weights import load_model_and_tokenizer
-from model_fixtures import randomize
+from model_fixtures import LATER_SHAPES, randomize
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
@@ -34,6 +34,7 @@ TINY = {
     "llama": dict(vocab_size=89, context_length=40, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, d_ff=80,
                   norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False, tie_embeddings=False),
 }
+TINY.update({kind: dict(shape, context_length=40) for kind, shape in LATER_SHAPES.items()})
 PROMPTS = ["Call me Ishmael.", "The whale", "It was a dark and stormy night, and the sea", "Queequeg said",
            "Ahab", "Starbuck looked at the", "There she blows!", "x", "In the morning the crew",
            "What is a harpoon?", "The white whale swam", "Stubb laughed and", "Nantucket", "The Pequod sailed",

@@ -19,7 +19,7 @@ from llmscratch.generate import (  # noqa: E402
 from llmscratch.model import GPT, GPTConfig  # noqa: E402
 from llmscratch.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
 from llmscratch.weights import load_hf  # noqa: E402
-from model_fixtures import randomize, successor_model  # noqa: E402
+from model_fixtures import LATER_SHAPES, randomize, successor_model  # noqa: E402
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),
@@ -27,6 +27,7 @@ TINY = {
                   d_ff=80, norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False,
                   tie_embeddings=False, rope_theta=50_000.0),
 }
+TINY.update({kind: dict(shape, context_length=32) for kind, shape in LATER_SHAPES.items()})
 
 
 def tiny(kind: str, **overrides) -> GPT:

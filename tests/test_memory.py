@@ -23,6 +23,9 @@ CONFIGS = {
                            d_ff=75, tie_embeddings=False, **_LLAMA),
     "llama-mqa-tied": GPTConfig(vocab_size=257, context_length=16, d_model=40, n_layers=3, n_heads=5, n_kv_heads=1,
                                 d_ff=33, **_LLAMA),
+    # 5 experts for 2 ranks, a shared expert, a dense layer among the MoE ones
+    "moe": GPTConfig(vocab_size=99, context_length=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=45,
+                     n_experts=5, experts_per_token=2, d_expert=21, shared_experts=1, dense_layers=(1,), **_LLAMA),
 }
 
 
@@ -142,6 +145,13 @@ ACTIVATION_CASES = [  # config, batch, context, dtype
                **_LLAMA), 1, 128, torch.float32),
     (CONFIGS["llama-gqa"], 2, 24, torch.bfloat16),
     (CONFIGS["gpt2-style"], 3, 16, torch.bfloat16),
+    (CONFIGS["moe"], 3, 13, torch.float32),
+    (CONFIGS["moe"], 2, 16, torch.bfloat16),
+    # Gemma 3's choices (QK-norm aside): sliding layers shorter than the sequence, post-norms, GeGLU
+    (GPTConfig(vocab_size=101, context_length=32, d_model=40, n_layers=3, n_heads=4, n_kv_heads=2, head_size=12,
+               norm="rmsnorm", mlp="geglu", position="rope", qkv_bias=False, bias=False, post_norms=True,
+               scale_embeddings=True, sliding_window=5, layer_types=("sliding", "full", "sliding"),
+               rope_local_theta=10_000.0), 3, 20, torch.float32),
 ]
 
 

@@ -165,7 +165,7 @@ def test_residual_projections_get_the_scaled_init():
     (dict(d_ff=0), r"d_ff must be a positive integer, got 0"),
     (dict(n_kv_heads=8), r"n_heads=4 is not divisible by n_kv_heads=8"),  # more kv heads than heads
     (dict(n_kv_heads=0), r"n_kv_heads must be a positive integer, got 0"),
-    (dict(mlp="relu"), r"mlp must be one of \['gelu', 'swiglu', 'relu2'\], got 'relu'"),
+    (dict(mlp="relu"), r"mlp must be one of \['gelu', 'swiglu', 'relu2', 'geglu'\], got 'relu'"),
     (dict(position="alibi"), r"position must be one of \['learned', 'rope'\], got 'alibi'"),
     (dict(context_length=0), r"context_length must be a positive integer, got 0"),
     (dict(rope_theta=0.0), r"rope_theta must be positive, got 0.0"),

@@ -230,3 +230,19 @@ def test_the_bundled_pretrained_model_is_the_default_runs(tmp_path):
     assert evaluated == sorted({*range(train_config.eval_interval, train_config.max_steps + 1,
                                        train_config.eval_interval), train_config.max_steps})
     assert records[-1]["val_bits_per_byte"] == pytest.approx(metrics["bits_per_byte"], abs=0.01)
+
+
+def test_a_mixture_of_experts_trains_and_logs_its_routers_load(tmp_path, text_file):
+    out = tmp_path / "moe"
+    assert run_script("pretrain", ["--data", str(text_file), "--out-dir", str(out), "--max-steps", "4",
+                                   "--eval-interval", "2", "--experts", "3", "--experts-per-token", "2",
+                                   *PRETRAIN_FLAGS]) == 0
+    model = model_from_checkpoint(out / "checkpoint.pt")
+    assert (model.config.n_experts, model.config.experts_per_token, model.config.mlp) == (3, 2, "swiglu")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["expert_load"] for r in records if "expert_load" in r]
+    assert len(loads) == 2  # at steps 2 and 4: the tokens routed since the evaluation before
+    for load in loads:
+        assert len(load) == model.config.n_layers and all(len(layer) == 3 for layer in load)
+        assert all(abs(sum(layer) - 1) < 1e-6 for layer in load)
+    assert all(r["balance_loss"] >= 1 - 1e-6 for r in records if "balance_loss" in r)  # 1 at best: an even load

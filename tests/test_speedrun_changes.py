@@ -52,8 +52,7 @@ def test_qk_norm_model_trains_its_gains_and_is_refused_where_it_cannot_go():
     model(idx, targets=idx).backward()
     gains = [p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(gains) == 2 * model.config.n_layers and all(g.grad is not None and g.grad.abs().sum() > 0 for g in gains)
-    with pytest.raises(ValueError, match="qk_norm"):
-        family_of(model.config)  # no Hugging Face layout to export to
+    assert family_of(model.config) == "qwen3"  # Llama with QK-norm: the Hugging Face layout it exports to
     with pytest.raises(ValueError, match="qk_norm"):
         apply_tp(model, mesh=None)  # refused before any mesh is touched
     with pytest.raises(ValueError, match="qk_norm must be True or False"):
@@ -158,3 +157,10 @@ def test_every_speedrun_variant_is_a_valid_set_of_pretrain_flags():
         assert matrix_weights(changed) == matrix_weights(kept), (preset, mlp)
     # ... unless --d-ff says otherwise
     assert script.model_config_for(parser.parse_args(["--mlp", "swiglu", "--d-ff", "500"]), 4096).d_ff == 500
+    # --experts: k SwiGLU experts hold the default MLP's weights, so a token meets as many as in the dense model
+    for k in (1, 2, 3):
+        moe = script.model_config_for(parser.parse_args(["--experts", "8", "--experts-per-token", str(k)]), 4096)
+        assert (moe.n_experts, moe.experts_per_token, moe.mlp) == (8, k, "swiglu")
+        router = 8 * moe.d_model * moe.n_layers
+        active = GPT(moe).num_params(active=True) - router
+        assert abs(active - GPT(default).num_params()) <= 3 * moe.d_model * moe.n_layers  # d_expert rounded down
