@@ -184,6 +184,21 @@ PRESETS: dict[str, dict] = {
     # Llama 3 8B's shape (2024): a model for many GPUs (FSDP and tensor parallelism, ch04), not for a CPU.
     "llama3-8b": dict(_LLAMA, vocab_size=128256, context_length=8192, d_model=4096, n_layers=32,
                       n_heads=32, n_kv_heads=8, d_ff=14336, rope_theta=500_000.0, tie_embeddings=False),
+    # Today's open families (load_hf reads their checkpoints; section 9 of chapter 3): Qwen3 0.6B (2025),
+    # QK-norm and heads wider than d_model / n_heads ...
+    "qwen3-0.6b": dict(_LLAMA, vocab_size=151936, context_length=40960, d_model=1024, n_layers=28, n_heads=16,
+                       n_kv_heads=8, head_size=128, d_ff=3072, qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6),
+    # ... Gemma 3 1B (2025): 5 sliding layers of 512 keys to each global one, post-norms, GeGLU ...
+    "gemma3-1b": dict(_LLAMA, mlp="geglu", vocab_size=262144, context_length=32768, d_model=1152, n_layers=26,
+                      n_heads=4, n_kv_heads=1, head_size=256, d_ff=6912, qk_norm=True, post_norms=True,
+                      scale_embeddings=True, sliding_window=512,
+                      layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+                      rope_theta=1_000_000.0, rope_local_theta=10_000.0, norm_eps=1e-6),
+    # ... and Qwen3-30B-A3B (2025): 128 experts, 8 per token
+    "qwen3-30b-a3b": dict(_LLAMA, vocab_size=151936, context_length=40960, d_model=2048, n_layers=48, n_heads=32,
+                          n_kv_heads=4, head_size=128, d_ff=6144, qk_norm=True, n_experts=128, experts_per_token=8,
+                          d_expert=768, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False,
+                          router_aux_weight=0.008),
 }
 
 

@@ -118,6 +118,50 @@ def grow_with(slip):
     return grow_vocabulary
 
 
+def window_with(slip):
+    """sliding_window_mask with one slip: one key too many or too few, both ways, no window at all."""
+    def sliding_window_mask(input_pos, kv_len, window):
+        back = input_pos[:, None] - torch.arange(kv_len)  # (T, kv_len)
+        return {"one more": (back >= 0) & (back <= window), "one fewer": (back >= 0) & (back < window - 1),
+                "both ways": back.abs() < window, "no window": back >= 0}[slip]
+
+    return sliding_window_mask
+
+
+def route_with(slip):
+    """route_top_k with one slip: weights not rescaled, f_e over tokens, no n_experts factor, P_e detached."""
+    def route_top_k(logits, k):
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = probs.topk(k, dim=-1)
+        if slip != "not rescaled":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        n_experts = logits.size(-1)
+        counts = torch.bincount(experts.flatten(), minlength=n_experts)
+        share = counts / (experts.size(0) if slip == "over tokens" else experts.numel())
+        mean_prob = (probs.detach() if slip == "detached" else probs).mean(dim=0)
+        return weights, experts, (1 if slip == "no factor" else n_experts) * (share * mean_prob).sum()
+
+    return route_top_k
+
+
+def post_norm_with(slip):
+    """PostNormBlock with one slip: the sum normed (post-LN), the MLP without its post-norm, the cache dropped."""
+    class PostNormBlock(sol.PostNormBlock):
+        def forward(self, x, rope, kv_cache, start_pos, *, input_pos=None):
+            b = self.block
+            if slip == "no cache":
+                kv_cache, start_pos, input_pos = None, 0, None
+            attended = b.attn(b.attn_norm(x), rope, kv_cache, start_pos, input_pos=input_pos)
+            if slip == "post-LN":
+                x = self.attn_post_norm(x + attended)
+                return self.mlp_post_norm(x + b.mlp(b.mlp_norm(x)))
+            x = x + self.attn_post_norm(attended)
+            out = b.mlp(b.mlp_norm(x))
+            return x + (out if slip == "attention only" else self.mlp_post_norm(out))
+
+    return PostNormBlock
+
+
 TIED = "a GPT-2 (tied head) model of vocab_size=48"
 UNTIED = "a Llama-style (untied head) model of vocab_size=48"
 WRONG = [  # (exercise, wrong answer, the smallest failing input it must report, the hint it must get)
@@ -154,6 +198,24 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("grow_vocabulary", grow_with("untied"), f"{TIED}, new_vocab_size=48", "keep the head tied"),
     ("grow_vocabulary", grow_with("head left at init"), f"{UNTIED}, new_vocab_size=50",
      "the head's new rows start at the mean"),
+    ("sliding_window_mask", window_with("one more"), "input_pos=[0, 1, 2], kv_len=3, window=1", "one more key in"),
+    ("sliding_window_mask", window_with("one fewer"), "input_pos=[0], kv_len=1, window=1", "one key too few"),
+    ("sliding_window_mask", window_with("both ways"), "input_pos=[0, 1, 2, 3], kv_len=4, window=2",
+     "still causal"),
+    ("sliding_window_mask", window_with("no window"), "input_pos=[0, 1, 2], kv_len=3, window=1",
+     "the window is ignored"),
+    ("route_top_k", route_with("not rescaled"), "logits of shape (1, 2), k=1: the weights", "sum to 1"),
+    ("route_top_k", route_with("over tokens"), "logits of shape (3, 2), k=2: the balancing loss",
+     "not of the N tokens"),
+    ("route_top_k", route_with("no factor"), "logits of shape (1, 2), k=1: the balancing loss",
+     "multiply by the number of experts"),
+    ("route_top_k", route_with("detached"), "logits of shape (1, 2), k=1: the loss's gradient", "do not detach"),
+    ("PostNormBlock", post_norm_with("post-LN"), "a Llama-style block, x of shape (1, 1, 16)",
+     "not the sum (that is the original Transformer's post-LN)"),
+    ("PostNormBlock", post_norm_with("attention only"), "a Llama-style block, x of shape (1, 1, 16)",
+     "the MLP's output gets its post-norm too"),
+    ("PostNormBlock", post_norm_with("no cache"), "post-normed blocks, idx of shape (2, 5): prefill 2 tokens",
+     "pass kv_cache, start_pos and input_pos"),
 ]
 
 

@@ -164,3 +164,18 @@ def test_our_own_moe_and_gemma_shapes_save_and_load(tmp_path):
         idx = torch.randint(200, (2, 24))
         with torch.no_grad():
             assert (again(idx) - ours(idx)).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("preset, family, total, active, non_embedding", [
+    ("qwen3-0.6b", "qwen3", 0.6, 0.6, 0.44),  # Qwen3's model cards: 0.6B, 0.44B without embeddings
+    ("gemma3-1b", "gemma3_text", 1.0, 1.0, None),  # Gemma 3's report: 1B
+    ("qwen3-30b-a3b", "qwen3_moe", 30.5, 3.3, None),  # 30.5B in all, 3.3B activated
+])
+def test_presets_have_the_published_sizes(preset, family, total, active, non_embedding):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset(preset))
+    assert family_of(model.config) == family
+    billions = model.num_params() / 1e9, model.num_params(active=True) / 1e9
+    assert abs(billions[0] - total) < 0.06 and abs(billions[1] - active) < 0.06  # as published, to one decimal
+    if non_embedding:
+        assert abs(model.num_params(include_embeddings=False) / 1e9 - non_embedding) < 0.006

@@ -3,7 +3,8 @@
 Write it yourself: a SwiGLU feed-forward layer from its three weight matrices, the parameter count of
 any ``GPTConfig`` in closed form, and greedy decoding with the KV cache. Extend the package: a
 soft-capped output head (Gemma 2), a parallel block (GPT-J, PaLM) and a grown vocabulary, each
-plugged into ``GPT`` and checked through its forward pass, its loss and cached decoding.
+plugged into ``GPT`` and checked through its forward pass, its loss and cached decoding. Section 9's
+three (a sliding window's mask, top-k routing, post-norms) are in ``ch03_families``.
 """
 
 import copy
@@ -349,3 +350,6 @@ def check_grow_vocabulary(answer) -> int:
         expect_equal(tuple(attempt(grown, new_ids, case=f"{case}, new ids {new_ids.tolist()}").shape),
                      (1, seq_len, new_size), case=case, hint="the grown model must take ids up to new_vocab_size - 1")
     return len(cases)
+
+
+from llmscratch.exercises import ch03_families  # noqa: E402, F401  (section 9's exercises join this chapter)

@@ -93,3 +93,38 @@ def grow_vocabulary(model, new_vocab_size):
             else:
                 state[name].copy_(tensor)
     return grown
+
+# %% sliding_window_mask
+def sliding_window_mask(input_pos, kv_len, window):
+    """(T, kv_len) booleans: True where the query at position input_pos[t] may see the key at position s."""
+    keys = torch.arange(kv_len)  # (kv_len,): the cache's positions
+    back = input_pos[:, None] - keys  # (T, kv_len): how many steps back each key is
+    return (back >= 0) & (back < window)  # not in the future, and fewer than `window` steps back
+
+# %% route_top_k
+def route_top_k(logits, k):
+    """Each token's k experts (N, k), best first, their weights rescaled to sum to 1, and the balancing loss."""
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, E): over every expert
+    weights, experts = probs.topk(k, dim=-1)  # (N, k)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    n_experts = logits.size(-1)
+    share = torch.bincount(experts.flatten(), minlength=n_experts) / experts.numel()  # (E,): f_e, over N * k slots
+    loss = n_experts * (share * probs.mean(dim=0)).sum()  # 1 for an even load; its gradient flows through P_e
+    return weights, experts, loss
+
+# %% PostNormBlock
+class PostNormBlock(nn.Module):
+    """A package Block with a norm after each sublayer as well: x + post(attn(norm(x))), then the same for the MLP."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        d, eps = block.attn_norm.weight.size(0), block.attn_norm.eps
+        self.attn_post_norm = type(block.attn_norm)(d, eps)  # RMSNorm, gains starting at 1
+        self.mlp_post_norm = type(block.attn_norm)(d, eps)
+
+    def forward(self, x, rope, kv_cache, start_pos, *, input_pos=None):
+        b = self.block
+        attended = b.attn(b.attn_norm(x), rope, kv_cache, start_pos, input_pos=input_pos)
+        x = x + self.attn_post_norm(attended)  # normalised before it joins the stream
+        return x + self.mlp_post_norm(b.mlp(b.mlp_norm(x)))

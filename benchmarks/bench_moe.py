@@ -1,0 +1,83 @@
+"""Decoding a mixture of experts against the dense main job, per token and per active parameter.
+
+    python -m benchmarks.bench_moe                # from the repository root; prints a Markdown section
+
+The models are those ``ch04-pretraining/pretrain.py`` builds: the main job (its ReLU^2 MLP) and its
+``--experts`` variants, whose k experts together hold the dense MLP's weights, so a token meets about as many
+weights in each. Random weights (the time of a step does not depend on them, only the routing does, and a
+random router spreads tokens as a trained one aims to). Greedy decoding with the KV cache, batch 1, a
+16-token prompt and 128 new tokens; the candidates run in interleaved rounds in one process, so machine noise
+hits them alike; medians are reported. The issue's target: decoding an MoE at least as fast per active
+parameter as the dense model (time per token / active parameters no higher).
+"""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
+from llmscratch.generate import generate
+from llmscratch.model import GPT
+from llmscratch.profiling import round_robin, time_once
+
+PRETRAIN = Path(__file__).resolve().parents[1] / "ch04-pretraining" / "pretrain.py"
+CANDIDATES = {  # name: pretrain.py flags
+    "dense (the main job)": [],
+    "8 experts, top 2": ["--experts", "8", "--experts-per-token", "2"],
+    "4 experts, top 1": ["--experts", "4", "--experts-per-token", "1"],
+}
+PROMPT, NEW_TOKENS = 16, 128
+
+
+def pretrain_script():
+    spec = importlib.util.spec_from_file_location("pretrain_script", PRETRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def models() -> dict[str, GPT]:
+    script = pretrain_script()
+    parser = script.build_parser()
+    built = {}
+    for name, flags in CANDIDATES.items():
+        torch.manual_seed(0)
+        built[name] = GPT(script.model_config_for(parser.parse_args(flags), 4096)).eval()
+    return built
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds")
+    add_threads_flag(parser)
+    args = parser.parse_args()
+    set_threads(parser, args.threads)
+    built = models()
+    prompt = torch.randint(4096, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    steps = {name: (lambda model=model: time_once(lambda: generate(model, prompt, NEW_TOKENS, temperature=0.0),
+                                                  prompt.device)) for name, model in built.items()}
+    round_robin(steps, 1)  # a round to warm up
+    timed = round_robin(steps, args.rounds)
+    reference = next(iter(built))
+    rows = {}
+    for name, model in built.items():
+        seconds = median(timed[name]) / NEW_TOKENS
+        active = model.num_params(active=True)
+        rows[name] = (model.num_params(), active, seconds, seconds / active)
+    per_active_ref = rows[reference][3]
+    print(f"### Decoding a mixture of experts ({today()})\n")
+    print(f"`python -m benchmarks.bench_moe` on {machine_description()}; load average {load_average()}. "
+          f"Batch 1, {PROMPT}-token prompt, {NEW_TOKENS} new tokens, greedy with the KV cache, float32; median of "
+          f"{args.rounds} interleaved rounds.\n")
+    print("| model | parameters | active per token | ms per token | tokens/s | time per active parameter, "
+          "against dense |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (total, active, seconds, per_active) in rows.items():
+        print(f"| {name} | {total:,} | {active:,} | {seconds * 1e3:.2f} | {1 / seconds:,.0f} | "
+              f"{per_active / per_active_ref:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
