@@ -38,6 +38,7 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "speculative": ["-m", "benchmarks.bench_speculative"],
     "prune": ["-m", "benchmarks.bench_prune"],
     "serve": ["-m", "benchmarks.bench_serve"],  # a server subprocess and its clients: 3.6 minutes on 2 idle cores, about 6 on busy ones
+    "moe": ["-m", "benchmarks.bench_moe"],  # decoding an MoE against the dense main job: about a minute
 }
 
 

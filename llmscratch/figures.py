@@ -369,3 +369,25 @@ def draw_dpo_loss(betas: Sequence[float], margins: torch.Tensor | None = None) -
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def draw_expert_load(steps: Sequence[int], loads: Sequence[Sequence[Sequence[float]]], title: str = "") -> Figure:
+    """Each mixture-of-experts layer's load over training: the share of routed tokens per expert, stacked.
+
+    ``loads[i][layer][expert]``: what ``pretrain.py --experts`` logs as ``expert_load`` at ``steps[i]`` (the
+    shares since the evaluation before). An even load is bands of equal height (the dotted lines).
+    """
+    n_layers, n_experts = len(loads[0]), len(loads[0][0])
+    fig = Figure(figsize=(2.2 * n_layers, 2.6))
+    axes = fig.subplots(1, n_layers, sharey=True, squeeze=False)[0]
+    for layer, ax in enumerate(axes):
+        shares = [[load[layer][expert] for load in loads] for expert in range(n_experts)]  # (E, steps)
+        ax.stackplot(list(steps), shares, gid=f"layer {layer}")
+        for level in range(1, n_experts):
+            ax.axhline(level / n_experts, color="white", ls=":", lw=0.8)
+        ax.set(title=f"layer {layer}", xlabel="step", ylim=(0, 1), xlim=(steps[0], steps[-1]))
+    axes[0].set_ylabel(f"share of routed tokens\n({n_experts} experts, stacked)")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

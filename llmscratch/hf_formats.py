@@ -6,7 +6,7 @@ Six families map onto the one ``GPT`` (``llmscratch.model``):
 - qwen3: Llama with QK-norm (and a head size of its own, no biases);
 - gemma3_text: Qwen3's attention with a GeGLU MLP, norms after each sublayer too, scaled embeddings,
   sliding-window layers between the global ones (each kind with its own RoPE base), and norm gains
-  stored as (gain - 1);
+  stored as (gain - 1); also the language model of the multimodal Gemma 3 (model_type gemma3);
 - qwen3_moe: Qwen3 with a mixture of experts for its MLPs;
 - mixtral: Llama with a mixture of experts (and an optional sliding window in every layer).
 ``weights.load_hf`` and ``weights.save_hf`` read and write the files.
@@ -18,7 +18,8 @@ import torch
 
 from llmscratch.model import GPTConfig
 
-__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "family_of", "hf_to_ours", "ours_to_hf"]
+__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "family_of", "hf_to_ours", "language_model_tensors",
+           "ours_to_hf"]
 
 FAMILIES = ("gpt2", "llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -45,9 +46,10 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 def config_from_hf(hf: dict) -> GPTConfig:
     """Our GPTConfig for a Hugging Face ``config.json`` of one of the ``FAMILIES``."""
     family = hf.get("model_type")
-    if family == "gemma3" and "text_config" in hf:
-        raise ValueError("model_type 'gemma3' is the multimodal Gemma 3 (text and vision); only its text models "
-                         "(model_type 'gemma3_text', e.g. gemma-3-1b and gemma-3-270m) load here")
+    if family == "gemma3":  # the multimodal Gemma 3 (4B and larger): its language model is a gemma3_text
+        if not isinstance(hf.get("text_config"), dict):
+            raise ValueError("a model_type 'gemma3' config needs its 'text_config' (the language model's)")
+        hf, family = {**hf["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; expected one of {list(FAMILIES)}")
     try:
@@ -223,6 +225,8 @@ def _family_problems(config: GPTConfig, family: str) -> list[str]:
     if family == "gemma3_text":
         problems += [f"it lacks {name}" for name in ("qk_norm", "post_norms", "scale_embeddings", "mlp=geglu")
                      if name not in _later_fields(config)]
+        if config.rope_scaling != 1 and config.rope_local_theta is None and "sliding" in config.attention_types:
+            problems.append("its sliding layers share the full layers' scaled RoPE (Gemma's have their own base)")
     elif config.mlp != "swiglu":
         problems.append(f"its mlp is {config.mlp}")
     if family != "llama" and config.bias:
@@ -290,6 +294,26 @@ def config_to_hf(config: GPTConfig) -> dict:
 
 
 # --------------------------------------------------------------------------- tensors
+# A multimodal checkpoint's language model, under the names of the hub's files and of transformers 5
+_LANGUAGE_MODEL = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                   "model.language_model.": "model."}
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensors(hf_config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of the language model alone, under a text model's names, for a multimodal config (Gemma 3 4B
+    and larger: model_type 'gemma3'); the vision tower and its projector are left out. Other configs: as given."""
+    if hf_config.get("model_type") != "gemma3":
+        return tensors
+    text = {}
+    for name, tensor in tensors.items():
+        if name.startswith(_VISION):
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL if name.startswith(p)), None)
+        text[name if prefix is None else _LANGUAGE_MODEL[prefix] + name[len(prefix):]] = tensor
+    return text
+
+
 def _decoder_names(config: GPTConfig, family: str) -> list[tuple[str, str]]:
     """(ours, HF) for every tensor of a Llama-like family that maps one to one (qkv and the experts apart)."""
     pairs = [("token_embedding.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight")]

@@ -17,6 +17,8 @@ What each GPU holds (N GPUs, a mesh of dp x tp = N):
   proj/down by columns, Megatron-style), embeddings, norms and the row-split layers' biases replicated;
   activations inside attention and the MLP split, the residual stream not. Replicated over dp = N / tp.
 - fsdp+tp: the tp shards, each split again over dp by FSDP.
+A mixture of experts holds every expert (parameters, gradients and AdamW state count them all) while its
+activations follow the k experts each token goes through; tensor parallelism does not split experts.
 Parameter, gradient and optimizer numbers are checked against the local tensors of real runs: ddp and fsdp in
 tests/test_memory.py, tp and fsdp+tp in tests/test_tensor_parallel.py (parameters). The tp activations and the
 activation-checkpointing formula are checked on paper only.
@@ -285,7 +287,10 @@ def table(plans: list[MemoryPlan]) -> str:
 
 
 def default_tp(config: GPTConfig, gpus: int) -> int:
-    """The largest tensor-parallel size up to 8 (one node) that divides the GPUs, heads, kv heads and d_ff."""
+    """The largest tensor-parallel size up to 8 (one node) that divides the GPUs, heads, kv heads and d_ff
+    (1 for a mixture of experts, which tensor parallelism does not split)."""
+    if config.n_experts is not None:
+        return 1
     return max(t for t in range(1, 9) if not (gpus % t or config.n_heads % t or config.kv_heads % t
                                                or config.hidden_dim % t))
 
@@ -344,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"can address (2^63); check --d-model, --d-ff, --vocab-size and the head counts")
     tp = default_tp(config, args.gpus) if args.tp is None else args.tp
     strategies = STRATEGIES if args.parallel == "all" else (args.parallel,)
+    if args.parallel == "all" and config.n_experts is not None:  # no tensor parallelism of experts (yet)
+        strategies = ("ddp", "fsdp")
     if any(s in ("tp", "fsdp+tp") for s in strategies):
         try:
             check_mesh(config, "tp", args.gpus, tp)
@@ -352,9 +359,14 @@ def main(argv: list[str] | None = None) -> None:
     plans = [plan(config, s, args.gpus, tp if "tp" in s else 1, args.batch_size, args.context_length, args.dtype,
                   args.activation_checkpointing, args.gpu_memory) for s in strategies]
     n_params = sum(_numel(shape) for _, shape in _parameters(config))
+    active = ""
+    if config.n_experts is not None:  # each (E, ...) expert tensor: k of its E experts per token
+        idle = sum(_numel(shape) // config.n_experts * (config.n_experts - config.experts_per_token)
+                   for _, shape in _parameters(config) if len(shape) == 3)
+        active = f" ({(n_params - idle) / 1e6:,.1f}M active per token; all of them are held)"
     context = args.context_length or config.context_length
     print(f"{args.preset}{' (overridden: ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) + ')' if overrides else ''}: "
-          f"{n_params / 1e6:,.1f}M parameters; {args.gpus} GPU(s) of {args.gpu_memory:g} GiB; micro-batch "
+          f"{n_params / 1e6:,.1f}M parameters{active}; {args.gpus} GPU(s) of {args.gpu_memory:g} GiB; micro-batch "
           f"{args.batch_size} x {context} tokens per GPU; {args.dtype} compute, float32 masters and AdamW state"
           f"{'; activation checkpointing' if args.activation_checkpointing else ''}")
     print(table(plans))

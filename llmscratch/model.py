@@ -64,10 +64,11 @@ class GPTConfig:
         None, "each layer's attention, 'full' or 'sliding'; None: all sliding with a sliding_window, else all full",
         lambda value: None if isinstance(value, tuple) and set(value) <= set(LAYER_TYPES) else
         f"must be a tuple of {list(LAYER_TYPES)}")
-    rope_local_theta: float | None = setting(None, "RoPE's base in the sliding layers (Gemma 3: 10,000 there, "
-                                                   "1,000,000 in the full ones); None: rope_theta", positive)
-    rope_scaling: float = setting(1.0, "linear RoPE scaling of the full layers: their positions divided by this "
-                                       "(Gemma 3 4B and larger: 8)", positive)
+    rope_local_theta: float | None = setting(None, "RoPE's base in the sliding layers, which then rotate with a "
+                                                   "table of their own, unscaled (Gemma 3: 10,000 there, 1,000,000 "
+                                                   "in the full ones); None: every layer shares one table", positive)
+    rope_scaling: float = setting(1.0, "linear RoPE scaling: positions divided by this, in every layer that uses "
+                                       "rope_theta's table (Gemma 3 4B and larger: 8, its full layers)", positive)
     post_norms: bool = setting(False, "also normalise each sublayer's output before it joins the residual "
                                       "(Gemma 2 and 3)")
     scale_embeddings: bool = setting(False, "multiply the token embeddings by sqrt(d_model) (Gemma)")
@@ -264,12 +265,10 @@ class GPT(nn.Module):
         else:
             self.position_embedding = None
             self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta, config.rope_scaling)
-        # The sliding layers' own table, where it differs from the full layers' (Gemma 3: another base, no scaling)
+        # The sliding layers' own table, when they have a base of their own (Gemma 3: another base, no scaling)
         self.rope_local = None
-        if config.position == "rope" and "sliding" in config.attention_types and (
-                config.rope_local_theta not in (None, config.rope_theta) or config.rope_scaling != 1):
-            theta = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
-            self.rope_local = RotaryEmbedding(config.head_dim, config.context_length, theta)
+        if config.position == "rope" and "sliding" in config.attention_types and config.rope_local_theta is not None:
+            self.rope_local = RotaryEmbedding(config.head_dim, config.context_length, config.rope_local_theta)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.final_norm = make_norm(config)

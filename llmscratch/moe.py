@@ -104,6 +104,8 @@ class MoE(nn.Module):
         The N * k (token, expert) pairs are sorted by expert, so that each expert runs once on the rows that
         chose it, however many (none is skipped, none dropped).
         """
+        if experts.numel() < self.n_experts and not torch.is_grad_enabled():  # decoding: fewer slots than experts
+            return self._dispatch_slots(tokens, weights, experts)
         slots = experts.flatten()  # (N * k,) token t's j-th expert at t * k + j
         order = slots.argsort(stable=True)  # the slots grouped by expert
         counts = torch.bincount(slots, minlength=self.n_experts).tolist()  # on the host: each expert's slice
@@ -118,7 +120,22 @@ class MoE(nn.Module):
                 hidden = self.act(F.linear(h, self.gate[expert])) * F.linear(h, self.up[expert])  # (n_e, d_expert)
                 out.index_add_(0, picked, F.linear(hidden, self.down[expert]) * mix[start:start + count])
             start += count
+        idle = [expert for expert, count in enumerate(counts) if not count]
+        if idle and torch.is_grad_enabled():  # a zero gradient for the experts no token chose, not none: DDP
+            out = out + 0 * sum(w[idle].sum() for w in (self.gate, self.up, self.down))  # waits for every parameter
         return out
+
+    def _dispatch_slots(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``dispatch`` for a few tokens: each row through its experts in increasing order (the order ``dispatch``
+        adds them in), without sorting the slots."""
+        rows = []
+        for token, chosen, mix in zip(tokens[:, None], experts.tolist(), weights):  # (1, d), k ids, (k,)
+            out = torch.zeros_like(token)
+            for expert, j in sorted((expert, j) for j, expert in enumerate(chosen)):
+                hidden = self.act(F.linear(token, self.gate[expert])) * F.linear(token, self.up[expert])
+                out = out + F.linear(hidden, self.down[expert]) * mix[j]
+            rows.append(out)
+        return torch.cat(rows)  # (N, d)
 
     def reset_load(self) -> torch.Tensor | None:
         """The tokens each expert received since the last call (None if none trained), and start counting again."""

@@ -35,6 +35,9 @@ def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise ValueError(f"expected a model with .blocks (a GPT), got {type(model).__name__}")
+    if getattr(getattr(model, "config", None), "n_experts", None) is not None:
+        raise ValueError("pruning a mixture of experts is not supported: its experts are stacked (E, ...) tensors, "
+                         "not nn.Linear layers")
     linears = []
     for i, block in enumerate(blocks):
         for name in ("attn.qkv", "attn.out_proj", *(f"mlp.{child}" for child, _ in block.mlp.named_children())):

@@ -19,7 +19,8 @@ import torch
 from llmscratch.atomic import write_text_atomically
 from llmscratch.checkpoint import (EXPORT_FORMAT, check_weights, model_from_checkpoint, read_safetensors,
                                   tokenizer_from_checkpoint, write_safetensors)
-from llmscratch.hf_formats import IGNORED_SUFFIXES, config_from_hf, config_to_hf, family_of, hf_to_ours, ours_to_hf
+from llmscratch.hf_formats import (IGNORED_SUFFIXES, config_from_hf, config_to_hf, family_of, hf_to_ours,
+                                   language_model_tensors, ours_to_hf)
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 
@@ -30,20 +31,22 @@ GPT2_VOCAB_SIZE = 50257
 
 # --------------------------------------------------------------------------- files
 def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
-    """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU.
+    """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU; of a multimodal Gemma 3, its
+    language model.
 
     Each shard's weights pass ``check_weights`` as the file stores them, before any cast to ``dtype``.
     """
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
-    config = config_from_hf(_read_json(folder / "config.json"))
+    hf_config = _read_json(folder / "config.json")
+    config = config_from_hf(hf_config)
     tensors = {}
     for shard in _shard_files(folder):
         weights = read_safetensors(shard)[1]
         check_weights({name: t for name, t in weights.items() if not name.endswith(IGNORED_SUFFIXES)}, shard)
         tensors.update(weights)
-    state = hf_to_ours(tensors, config)
+    state = hf_to_ours(language_model_tensors(hf_config, tensors), config)
     model = GPT(config)
     expected = model.state_dict()
     for name, tensor in state.items():

@@ -205,6 +205,21 @@ def test_dpo_curves_are_the_package_loss_at_each_margin():
         assert list(line.get_ydata()) == pytest.approx(closed_form, rel=1e-5)
 
 
+def test_expert_load_bands_are_the_logged_shares():
+    steps = [100, 200, 300]
+    loads = [[[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]], [[0.4, 0.3, 0.3], [0.3, 0.3, 0.4]],
+             [[1 / 3, 1 / 3, 1 / 3], [0.1, 0.1, 0.8]]]  # 3 evaluations x 2 layers x 3 experts
+    fig = figures.draw_expert_load(steps, loads, "a run")
+    assert [ax.get_title() for ax in fig.axes] == ["layer 0", "layer 1"]
+    for layer, ax in enumerate(fig.axes):
+        bands = [c for c in ax.collections if c.get_gid() == f"layer {layer}"]
+        assert len(bands) == 3  # one band per expert
+        tops = [max(v[1] for v in band.get_paths()[0].vertices) for band in bands]  # each band's top edge
+        assert tops[-1] == pytest.approx(1.0)  # the shares of a layer add up to 1
+        first_band = bands[0].get_paths()[0].vertices
+        assert max(first_band[:, 1]) == pytest.approx(max(load[layer][0] for load in loads))
+
+
 # --------------------------------------------------------------------------- every figure renders
 def test_every_figure_renders_with_no_missing_glyph(gpt2, small_tokenizer):
     attention = MultiHeadAttention(16, 16, 4, 2)
@@ -213,7 +228,8 @@ def test_every_figure_renders_with_no_missing_glyph(gpt2, small_tokenizer):
     drawn = [figures.draw_merge_tree(gpt2, " déjà vu 🐳\n"), figures.draw_merge_tree(small_tokenizer, "$x$ whale"),
              figures.draw_sliding_windows(SlidingWindowDataset(gpt2.encode("a b c d e f g"), 3, 2), gpt2),
              figures.draw_attention_flow(attention, 5), figures.draw_grouped_query(attention),
-             figures.draw_gpt(model), figures.draw_lora(layer), figures.draw_dpo_loss((0.1, 0.5))]
+             figures.draw_gpt(model), figures.draw_lora(layer), figures.draw_dpo_loss((0.1, 0.5)),
+             figures.draw_expert_load([1, 2], [[[0.5, 0.5]], [[0.3, 0.7]]], "2 experts")]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Glyph ... missing from font" is a warning
         for fig in drawn:

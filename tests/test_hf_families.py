@@ -65,6 +65,9 @@ HF_MODELS = {
     "qwen3-tied-wide-heads": hf_qwen3,
     "qwen3-untied-mha": lambda: hf_qwen3(tie=False, num_key_value_heads=6, head_dim=8),
     "qwen3-sliding-top-layers": lambda: hf_qwen3(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "qwen3-sliding-linear-rope": lambda: hf_qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                                                  rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 54_321.0}),
     "gemma3-window-5-linear-rope": hf_gemma3,
     "gemma3-gqa-scalar-head": lambda: hf_gemma3(num_key_value_heads=2, query_pre_attn_scalar=14, sliding_window=3,
                                                 tie_word_embeddings=False),
@@ -143,9 +146,25 @@ def test_a_config_no_family_holds_is_named(change, message):
         family_of(config)
 
 
-def test_multimodal_gemma3_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="multimodal"):
-        config_from_hf({"model_type": "gemma3", "text_config": {}})
+def test_the_language_model_of_a_multimodal_gemma3_loads(tmp_path):
+    """Gemma 3 4B and larger are image-and-text models: their language model is read, the vision tower left out."""
+    text = dict(vocab_size=307, hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=14, sliding_window=5, sliding_window_pattern=3,
+                max_position_embeddings=64, rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    reference = _random(transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4),
+                        transformers.Gemma3ForConditionalGeneration, seed=7)
+    reference.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    assert family_of(ours.config) == "gemma3_text" and ours.config.rope_scaling == 8.0
+    for idx in batches(ours.config.vocab_size, ours.config.context_length):
+        with torch.no_grad():
+            assert (ours(idx) - reference(input_ids=idx).logits).abs().max().item() <= TOLERANCE
+    with pytest.raises(ValueError, match="needs its 'text_config'"):
+        config_from_hf({"model_type": "gemma3"})
 
 
 def test_our_own_moe_and_gemma_shapes_save_and_load(tmp_path):
@@ -179,3 +198,27 @@ def test_presets_have_the_published_sizes(preset, family, total, active, non_emb
     assert abs(billions[0] - total) < 0.06 and abs(billions[1] - active) < 0.06  # as published, to one decimal
     if non_embedding:
         assert abs(model.num_params(include_embeddings=False) / 1e9 - non_embedding) < 0.006
+
+
+def test_experts_load_from_the_stacked_tensors_transformers_keeps_in_memory(tmp_path):
+    """transformers 5 holds a layer's experts as (E, 2 d_expert, d) gate_up and (E, d, d_expert) down tensors; a
+    file written that way loads as the hub's one-matrix-per-expert file does."""
+    from safetensors.torch import load_file
+
+    from llmscratch.hf_formats import hf_to_ours
+
+    hf_qwen3_moe().save_pretrained(tmp_path)
+    per_expert = load_file(tmp_path / "model.safetensors")
+    config = config_from_hf(transformers.AutoConfig.from_pretrained(tmp_path).to_dict())
+    stacked = {name: t for name, t in per_expert.items() if ".experts." not in name}
+    for layer in (0, 2):  # layer 1 is dense
+        prefix = f"model.layers.{layer}.mlp.experts"
+
+        def expert_tensors(kind):
+            return torch.stack([per_expert[f"{prefix}.{e}.{kind}_proj.weight"] for e in range(config.n_experts)])
+
+        stacked[f"{prefix}.gate_up_proj"] = torch.cat([expert_tensors("gate"), expert_tensors("up")], dim=1)
+        stacked[f"{prefix}.down_proj"] = expert_tensors("down")
+    expected = hf_to_ours(per_expert, config)
+    got = hf_to_ours(stacked, config)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)

@@ -246,3 +246,15 @@ def test_command_line_table_has_every_strategy_with_the_plans_numbers():
         assert cells == [format_bytes(getattr(expected, c)) for c in
                          ("parameters", "gradients", "optimizer", "buffers", "activations", "total")]
         assert line.split()[-1] == ("yes" if expected.fits else "NO")
+
+
+def test_a_mixture_of_experts_is_planned_without_tensor_parallelism_and_with_its_active_count(capsys):
+    main(["--preset", "qwen3-30b-a3b", "--gpus", "8"])
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in [[s] for s in STRATEGIES]]
+    assert rows == ["ddp", "fsdp"]  # tensor parallelism does not split experts
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset("qwen3-30b-a3b"))
+    assert f"{model.num_params() / 1e6:,.1f}M parameters ({model.num_params(active=True) / 1e6:,.1f}M active" in out
+    with pytest.raises(ValueError, match="does not support a mixture of experts"):
+        check_mesh(GPTConfig.from_preset("qwen3-30b-a3b"), "tp", 8, 2)

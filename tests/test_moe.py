@@ -43,6 +43,15 @@ def test_every_token_goes_through_its_k_experts_and_none_is_dropped(n_experts, k
     torch.testing.assert_close(got.double(), reference_moe(layer, x), atol=1e-5, rtol=1e-5)
 
 
+def test_decoding_a_few_tokens_slot_by_slot_equals_dispatching_by_expert():
+    layer = moe_layer(8, 2)
+    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(10))  # 6 slots for 8 experts: slot by slot
+    with torch.no_grad():
+        few = layer(x)
+    by_expert = layer(x).detach()  # with gradients on: the general path
+    torch.testing.assert_close(few, by_expert, atol=1e-6, rtol=1e-6)
+
+
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch():
     layer = moe_layer(6, 2)
     x = torch.randn(3, 11, 12, generator=torch.Generator().manual_seed(3))
@@ -50,6 +59,18 @@ def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch():
         together = layer(x)
         alone = torch.stack([layer(x[i:i + 1])[0] for i in range(3)])
     torch.testing.assert_close(together, alone, atol=1e-6, rtol=1e-6)
+
+
+def test_an_expert_no_token_chose_gets_a_zero_gradient_not_none():
+    """DistributedDataParallel waits for every parameter's gradient: an idle expert must still have one."""
+    layer = moe_layer(16, 1)
+    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(9))  # 3 tokens, 1 expert each: 13+ idle
+    layer(x).square().sum().backward()
+    chosen = set(route(layer.router(x), 1, True)[1].flatten().tolist())
+    for weight in (layer.gate, layer.up, layer.down):
+        assert weight.grad is not None
+        for expert in range(16):
+            assert (weight.grad[expert].abs().sum() > 0) == (expert in chosen)
 
 
 def test_geglu_experts_and_a_shared_expert():

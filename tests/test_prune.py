@@ -280,3 +280,9 @@ def test_the_sweep_figure_has_one_curve_per_label():
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ValueError, match=message):
         call(random_model("llama"))
+
+
+def test_a_mixture_of_experts_is_refused_with_the_reason():
+    config = GPTConfig.from_preset("llama-tiny", vocab_size=64, context_length=16, n_experts=4)
+    with pytest.raises(ValueError, match="pruning a mixture of experts is not supported"):
+        magnitude_prune(GPT(config), 0.5)
