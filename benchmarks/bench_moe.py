@@ -14,32 +14,24 @@ parameter as the dense model (time per token / active parameters no higher).
 """
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
+from benchmarks.pretrain_quality import pretrain_script
 from llmscratch.atomic import write_text_atomically
 from llmscratch.generate import generate
 from llmscratch.model import GPT
 from llmscratch.profiling import round_robin, time_once
 
-PRETRAIN = Path(__file__).resolve().parents[1] / "ch04-pretraining" / "pretrain.py"
 CANDIDATES = {  # name: pretrain.py flags
     "dense": [],
     "8 experts, top 2": ["--experts", "8", "--experts-per-token", "2"],
     "4 experts, top 1": ["--experts", "4", "--experts-per-token", "1"],
 }
 PROMPT, NEW_TOKENS = 16, 128
-
-
-def pretrain_script():
-    spec = importlib.util.spec_from_file_location("pretrain_script", PRETRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 RUNS_FILE = Path(__file__).resolve().parent / "moe_main_job.json"
