@@ -72,7 +72,7 @@ def plan() -> list[Part]:
     pretrain = [PY, "ch04-pretraining/pretrain.py"]
     run_flags = ["--device", "cuda", "--no-progress"]
     return [
-        Part("cuda_tests", "CUDA-marked tests", 70,
+        Part("cuda_tests", "CUDA-marked tests", 100,
              [Step([PY, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-v", "-m", "cuda",
                     "tests/test_cuda.py", "--junitxml", "{work}/cuda_tests.xml"])],
              ["cuda_tests.xml"]),
@@ -85,11 +85,11 @@ def plan() -> list[Part]:
                     "--modes", "bf16-compiled", "--runs", "3", "--pad-vocab", "1", "--json",
                     "{work}/train_unpadded.json"])],
              ["train.json", "train_unpadded.json"]),
-        Part("decode", "decoding tokens/s: eager, compiled, CUDA graphs, vs transformers' generate", 100,
+        Part("decode", "decoding tokens/s: eager, compiled, CUDA graphs, vs transformers' generate", 80,
              [Step([PY, "-m", "benchmarks.bench_generate", "--device", "cuda", "--runs", "3", "--candidates",
                     "transformers", "cache", "compiled", "compiled-cuda-graphs", "--json", "{work}/decode.json"])],
              ["decode.json"]),
-        Part("main_job", "the main job's default run", 60,
+        Part("main_job", "the main job's default run", 50,
              [Step([*pretrain, "--out-dir", "{work}/main", *run_flags])],
              ["main/summary.json"]),
         Part("torchrun", "torchrun --nproc_per_node 1 (NCCL): DDP and FSDP, 300 steps; the memory planner", 90,

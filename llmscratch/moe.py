@@ -137,6 +137,14 @@ class MoE(nn.Module):
             rows.append(out)
         return torch.cat(rows)  # (N, d)
 
+    def __getstate__(self) -> dict:
+        """What copy.deepcopy and pickle copy: the balancing loss without its graph (a tensor inside a graph
+        cannot be copied, so a model copied after a training step, as DPO copies its reference, would fail)."""
+        state = super().__getstate__()
+        if state["aux_loss"] is not None:
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
+
     def reset_load(self) -> torch.Tensor | None:
         """The tokens each expert received since the last call (None if none trained), and start counting again."""
         load, self.load = self.load, None

@@ -130,6 +130,26 @@ def test_training_adds_the_balancing_loss_and_counts_the_load():
     assert moe.reset_load() is None
 
 
+def test_a_model_copies_and_pickles_after_a_training_step():
+    """The balancing loss held for logging is inside the step's graph; a copy (DPO's reference model, a
+    pruned or quantized copy, torch.save of the module) keeps its value without the graph."""
+    import copy
+    import io
+
+    config = GPTConfig(**{**LATER_SHAPES["moe"], "context_length": 16})
+    model = GPT(config)
+    idx = torch.randint(config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+    model(idx, targets=idx).backward()
+    copied = copy.deepcopy(model)
+    assert copied.balance_loss().item() == model.balance_loss().item()
+    assert model.balance_loss().requires_grad and not copied.balance_loss().requires_grad  # the original keeps its graph
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # our own model, just written
+    torch.testing.assert_close(loaded(idx), model(idx))
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(n_experts=3, experts_per_token=4), "experts_per_token must be at most n_experts=3"),
     (dict(n_experts=1), "n_experts must be at least 2"),
