@@ -72,27 +72,27 @@ def plan() -> list[Part]:
     pretrain = [PY, "ch04-pretraining/pretrain.py"]
     run_flags = ["--device", "cuda", "--no-progress"]
     return [
-        Part("cuda_tests", "CUDA-marked tests", 100,
+        Part("cuda_tests", "CUDA-marked tests", 95,
              [Step([PY, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-v", "-m", "cuda",
                     "tests/test_cuda.py", "--junitxml", "{work}/cuda_tests.xml"])],
              ["cuda_tests.xml"]),
         Part("train", "training throughput and MFU, gpt2-small, bf16 and bf16 + compile, vs transformers; "
-                      "then compiled with the unpadded 50,257-word vocabulary", 160,
+                      "then compiled with the unpadded 50,257-word vocabulary", 180,
              [Step([PY, "-m", "benchmarks.bench_train", "--device", "cuda", "--configs", "gpt2-small",
                     "--modes", "bf16", "bf16-compiled", "--runs", "5", "--pad-vocab", "64", "--json",
                     "{work}/train.json"]),
               Step([PY, "-m", "benchmarks.bench_train", "--device", "cuda", "--configs", "gpt2-small",
-                    "--modes", "bf16-compiled", "--runs", "3", "--pad-vocab", "1", "--json",
+                    "--modes", "bf16-compiled", "--runs", "3", "--pad-vocab", "1", "--no-memory", "--json",
                     "{work}/train_unpadded.json"])],
              ["train.json", "train_unpadded.json"]),
-        Part("decode", "decoding tokens/s: eager, compiled, CUDA graphs, vs transformers' generate", 80,
+        Part("decode", "decoding tokens/s: eager, compiled, CUDA graphs, vs transformers' generate", 75,
              [Step([PY, "-m", "benchmarks.bench_generate", "--device", "cuda", "--runs", "3", "--candidates",
                     "transformers", "cache", "compiled", "compiled-cuda-graphs", "--json", "{work}/decode.json"])],
              ["decode.json"]),
-        Part("main_job", "the main job's default run", 50,
+        Part("main_job", "the main job's default run", 45,
              [Step([*pretrain, "--out-dir", "{work}/main", *run_flags])],
              ["main/summary.json"]),
-        Part("torchrun", "torchrun --nproc_per_node 1 (NCCL): DDP and FSDP, 300 steps; the memory planner", 90,
+        Part("torchrun", "torchrun --nproc_per_node 1 (NCCL): DDP and FSDP, 300 steps; the memory planner", 85,
              [Step([*TORCHRUN, *pretrain[1:], "--parallel", parallel, "--max-steps", "300", "--eval-interval",
                     "100", "--tokenizer", "{tokenizer}", "--out-dir", f"{{work}}/{parallel}", *run_flags],
                    program=pretrain) for parallel in ("ddp", "fsdp")]

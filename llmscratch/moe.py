@@ -95,7 +95,8 @@ class MoE(nn.Module):
             self.aux_loss = balance_loss(probs, experts)
             with torch.no_grad():
                 counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
-                self.load = counts if self.load is None else self.load + counts
+                # a plain attribute, which .to(device) does not move: the count so far follows the tokens
+                self.load = counts if self.load is None else self.load.to(counts.device) + counts
         return out.reshape(shape)
 
     def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
