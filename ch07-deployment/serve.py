@@ -3,6 +3,7 @@
     python ch07-deployment/serve.py                          # the bundled base model, http://127.0.0.1:8000
     python ch07-deployment/serve.py --model instructions     # ch05's instruction follower (chat page at /)
     python ch07-deployment/serve.py --model dpo --host 0.0.0.0 --port 8080 --api-key "$KEY"
+    python ch07-deployment/serve.py --model ~/models/Qwen3-0.6B       # a Hugging Face folder, in its chat format
 
 Then open http://127.0.0.1:8000/ in a browser, or talk to it with curl or the official openai
 client (base_url "http://127.0.0.1:8000/v1"); the README shows both. Endpoints: /v1/completions,
@@ -16,10 +17,12 @@ API keys come from --api-key (repeatable) and from the environment variable LLMS
 import argparse
 import ipaddress
 import os
+from pathlib import Path
 
 import torch
 import uvicorn
 
+from llmscratch.chat_template import ChatTemplate
 from llmscratch.cli import resolve_model, run_script, value_errors_exit
 from llmscratch.device import DTYPES, resolve_device
 from llmscratch.engine import BATCH_SHAPES, Engine
@@ -84,13 +87,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     with value_errors_exit():
         model, tokenizer = load_model_and_tokenizer(args.model)
+        # A Hugging Face folder's own chat format, if it has one; else ch05's instruction template
+        chat_template = ChatTemplate.from_hf(args.model) if Path(args.model).is_dir() else None
     model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
     engine = Engine(model, tokenizer, max_slots=args.max_slots, max_waiting=args.max_waiting,
                     batch_shape=args.batch_shape)
     name = args.name or args.name_default
-    app = create_app(engine, model_name=name, api_keys=args.api_key, requests_per_minute=args.rate_limit)
+    app = create_app(engine, model_name=name, api_keys=args.api_key, requests_per_minute=args.rate_limit,
+                     chat_template=chat_template)
     keys = f"{len(args.api_key)} API key(s)" if args.api_key else "no API key"
-    print(f"serving {name} ({model.num_params() / 1e6:.1f}M parameters, {args.dtype}, {args.device}; {keys}) "
+    chat = "its own chat template" if chat_template else "the instruction template"
+    print(f"serving {name} ({model.num_params() / 1e6:.1f}M parameters, {args.dtype}, {args.device}; {keys}; {chat}) "
           f"at http://{args.host}:{args.port}/  (torch threads: {torch.get_num_threads()})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

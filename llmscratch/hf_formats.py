@@ -12,14 +12,16 @@ Six families map onto the one ``GPT`` (``llmscratch.model``):
 ``weights.load_hf`` and ``weights.save_hf`` read and write the files.
 """
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from llmscratch.model import GPTConfig
 
 __all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "family_of", "hf_to_ours", "language_model_tensors",
-           "ours_to_hf"]
+           "ours_to_hf", "read_json_object"]
 
 FAMILIES = ("gpt2", "llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -440,3 +442,17 @@ def _taker(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
             raise ValueError(f"the checkpoint has no tensor {name!r} (missing)")
         return tensors.pop(name)
     return take
+
+
+def read_json_object(path: Path) -> dict:
+    """One of a Hugging Face folder's JSON files (config.json, tokenizer.json, ...) as a dict; a missing or
+    malformed file is a ValueError naming it."""
+    try:
+        content = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path} should hold a JSON object, got {type(content).__name__}")
+    return content

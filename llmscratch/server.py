@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmscratch.engine import Engine, Event, QueueFull, SamplingParams
+from llmscratch.chat_template import ChatTemplate
 from llmscratch.instruct import TEMPLATE_MARKERS, format_chat
 
 CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new section has finished its answer
@@ -169,11 +170,14 @@ class Mailbox:
 
 # --------------------------------------------------------------------------- the app
 def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
-               requests_per_minute: int | None = None, chat_stop: str = CHAT_STOP) -> FastAPI:
+               requests_per_minute: int | None = None, chat_stop: str = CHAT_STOP,
+               chat_template: ChatTemplate | None = None) -> FastAPI:
     """The server's app; it starts the engine's thread when it starts serving and stops it at shutdown.
 
     model_name: what clients pass as "model" (and what /v1/models lists). api_keys: empty serves
     anyone who can connect (keep the host 127.0.0.1 then). requests_per_minute: per key, None: no limit.
+    chat_template: a Hugging Face model's own chat format (its stop text ends an answer); None: ch05's
+    instruction template, whose next section (chat_stop) ends an answer.
     """
     limit = RateLimit(requests_per_minute) if requests_per_minute else None
     tokenizer = engine.tokenizer
@@ -248,12 +252,16 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         admit(request, body)
+        messages = [message.model_dump() for message in body.messages]
         try:
-            prompt = format_chat([message.model_dump() for message in body.messages])
+            if chat_template is None:
+                prompt_ids = tokenizer.encode(format_chat(messages), disallowed_special=())
+            else:
+                prompt_ids = chat_template.encode(messages, tokenizer)
         except ValueError as err:
             raise APIError(400, str(err), "invalid_value", "messages") from None
-        prompt_ids = tokenizer.encode(prompt, disallowed_special=())
-        params = body.sampling(room(prompt_ids, body.max_completion_tokens or body.max_tokens), (chat_stop,))
+        stops = (chat_stop,) if chat_template is None else (chat_template.stop,) if chat_template.stop else ()
+        params = body.sampling(room(prompt_ids, body.max_completion_tokens or body.max_tokens), stops)
         return await answer(request, body, "chat.completion", *start(prompt_ids, params))
 
     async def answer(request: Request, body: _Sampling, kind: str, events: asyncio.Queue, handle):

@@ -11,6 +11,7 @@ import base64
 import functools
 import json
 import os
+import unicodedata
 import warnings
 from collections import Counter
 from collections.abc import Collection, Iterable
@@ -50,9 +51,20 @@ class BPETokenizer:
         special_tokens: dict[str, int] | None = None,
         byte_order: list[int] | None = None,
         name: str = "bpe",
+        normalization: str | None = None,
+        whole_chunks: bool = False,
     ):
-        """``merges[i]`` creates id ``256 + i``; ``byte_order[i]`` is the byte of id ``i``."""
+        """``merges[i]`` creates id ``256 + i``; ``byte_order[i]`` is the byte of id ``i``.
+
+        Two choices that tokenizers made elsewhere need (``llmscratch.hf_tokenizer``): ``normalization``, a
+        Unicode form ("NFC", "NFKC", "NFD", "NFKD") the text is put in before it is split (Qwen's is NFC);
+        ``whole_chunks``, a chunk that is itself a token encodes as that token without merging (tiktoken does
+        this, and Hugging Face's ``ignore_merges``).
+        """
+        if normalization not in (None, "NFC", "NFKC", "NFD", "NFKD"):
+            raise ValueError(f"normalization must be None, 'NFC', 'NFKC', 'NFD' or 'NFKD', got {normalization!r}")
         self.name = name
+        self.normalization, self.whole_chunks = normalization, bool(whole_chunks)
         self.pattern = pattern
         self._split = _compile_split_pattern(pattern)
         self.byte_order = list(range(256)) if byte_order is None else list(byte_order)
@@ -81,6 +93,7 @@ class BPETokenizer:
             )
         self._special_by_id = {i: s.encode("utf-8") for s, i in self.special_tokens.items()}
         self._cache: dict[str, list[int]] = {}
+        self._id_of = {token: i for i, token in self.vocab.items()} if self.whole_chunks else {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -157,11 +170,15 @@ class BPETokenizer:
     # ------------------------------------------------------------------ encoding
     def _merge_chunk(self, chunk: bytes) -> list[int]:
         """BPE on one pre-split chunk: its bytes' ids, merged as learned."""
+        if (whole := self._id_of.get(chunk)) is not None:  # only with whole_chunks
+            return [whole]
         return apply_merges([self._byte_to_id[b] for b in chunk], self.merges)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode text, treating special-token strings as ordinary text."""
         text = _replace_lone_surrogates(text)
+        if self.normalization is not None:
+            text = unicodedata.normalize(self.normalization, text)
         cache, ids = self._cache, []
         for chunk in _split_covering(self._split, text):
             chunk_ids = cache.get(chunk)
@@ -233,6 +250,8 @@ class BPETokenizer:
             "byte_order": None if self.byte_order == list(range(256)) else self.byte_order,
             "merges": [[left, right, _readable(self.vocab[new_id])] for (left, right), new_id in self.merges.items()],
         }
+        if self.normalization is not None or self.whole_chunks:  # written only when set: older files stay as they were
+            document.update(normalization=self.normalization, whole_chunks=self.whole_chunks)
         return _one_line_lists(json.dumps(document, ensure_ascii=False, indent=2)) + "\n"
 
     @classmethod
@@ -250,7 +269,8 @@ class BPETokenizer:
         try:
             merges = [(int(left), int(right)) for left, right, _ in data["merges"]]
             tokenizer = cls(merges, pattern=data["pattern"], special_tokens=data["special_tokens"],
-                            byte_order=data["byte_order"], name=data["name"])
+                            byte_order=data["byte_order"], name=data["name"],
+                            normalization=data.get("normalization"), whole_chunks=data.get("whole_chunks", False))
         except ValueError as err:  # our own checks: a sentence that names the bad value
             raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
         except (KeyError, TypeError) as err:

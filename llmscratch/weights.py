@@ -19,8 +19,9 @@ import torch
 from llmscratch.atomic import write_text_atomically
 from llmscratch.checkpoint import (EXPORT_FORMAT, check_weights, model_from_checkpoint, read_safetensors,
                                   tokenizer_from_checkpoint, write_safetensors)
-from llmscratch.hf_formats import (IGNORED_SUFFIXES, config_from_hf, config_to_hf, family_of, hf_to_ours,
+from llmscratch.hf_formats import (IGNORED_SUFFIXES, read_json_object, config_from_hf, config_to_hf, family_of, hf_to_ours,
                                    language_model_tensors, ours_to_hf)
+from llmscratch.hf_tokenizer import tokenizer_from_hf
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 
@@ -39,7 +40,7 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
-    hf_config = _read_json(folder / "config.json")
+    hf_config = read_json_object(folder / "config.json")
     config = config_from_hf(hf_config)
     tensors = {}
     for shard in _shard_files(folder):
@@ -64,7 +65,7 @@ def _shard_files(folder: Path) -> list[Path]:
         if not (folder / "model.safetensors").is_file():
             raise ValueError(f"{folder} has no model.safetensors (nor an index of shards)")
         return [folder / "model.safetensors"]
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
     shards = sorted(set(weight_map.values()))
@@ -82,7 +83,7 @@ def load_model_and_tokenizer(path: str | os.PathLike, tokenizer_path: str | os.P
 
     ``path``: a pretraining run folder (its model.safetensors, else its checkpoint.pt), one of
     those two files, or a Hugging Face folder (config.json + safetensors). Our files carry their
-    tokenizer; a Hugging Face folder gets GPT-2's. ``tokenizer_path`` (a JSON file saved by
+    tokenizer; a Hugging Face folder its tokenizer.json (byte-level BPE), else GPT-2's. ``tokenizer_path`` (a JSON file saved by
     ``BPETokenizer.save``) replaces either. The tokenizer must fit the model's vocabulary.
     """
     if tokenizer_path is not None and not Path(tokenizer_path).is_file():
@@ -119,7 +120,10 @@ def _model_source(path: Path) -> Path:
 
 
 def _hf_tokenizer(folder: Path, model: GPT) -> BPETokenizer:
-    """GPT-2's tokenizer, for a model of the GPT-2 family or with GPT-2's vocabulary size."""
+    """The folder's own tokenizer.json (byte-level BPE: llmscratch.hf_tokenizer); without one, GPT-2's
+    tokenizer, for a model of the GPT-2 family or with GPT-2's vocabulary size."""
+    if (folder / "tokenizer.json").is_file():
+        return tokenizer_from_hf(folder / "tokenizer.json")
     vocab_size = model.config.vocab_size
     if model.config.position == "learned":
         if vocab_size < GPT2_VOCAB_SIZE:
@@ -128,8 +132,8 @@ def _hf_tokenizer(folder: Path, model: GPT) -> BPETokenizer:
         return BPETokenizer.gpt2()
     if vocab_size == GPT2_VOCAB_SIZE:  # e.g. ch04's pretrain.py --tokenizer gpt2 --preset llama-small
         return BPETokenizer.gpt2()
-    raise ValueError(f"{folder} is a Llama-family checkpoint with {vocab_size:,} tokens; llmscratch ships "
-                     "no tokenizer for it: pass --tokenizer")
+    raise ValueError(f"{folder} is a Llama-family checkpoint with {vocab_size:,} tokens and no tokenizer.json; "
+                     "llmscratch ships no tokenizer for it: pass --tokenizer")
 
 
 def save_hf(model: GPT, path: str | os.PathLike) -> None:
@@ -145,16 +149,6 @@ def save_hf(model: GPT, path: str | os.PathLike) -> None:
     write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})  # transformers ignores the checksum
     text = json.dumps(hf_config, indent=2) + "\n"
     write_text_atomically(folder / "config.json", text)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(content, dict):
-        raise ValueError(f"{path} should hold a JSON object, got {type(content).__name__}")
-    return content
 
 
 GPT2_HUB_NAMES = {"gpt2-small": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",

@@ -276,7 +276,7 @@ def test_serve_py_serves_with_a_key_from_the_environment_until_stopped():
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
-    assert "serving base (5.8M parameters, float32, cpu; 2 API key(s))" in output
+    assert "serving base (5.8M parameters, float32, cpu; 2 API key(s); the instruction template)" in output
 
 
 @pytest.mark.parametrize("argv, words", [
