@@ -6,8 +6,8 @@
 The text streams to the terminal as it is generated. Our checkpoints (the ``model.safetensors``
 export or the ``checkpoint.pt`` that ch04-pretraining/pretrain.py writes, or the run folder holding
 them) carry their tokenizer; a Hugging Face folder (``config.json`` + ``model.safetensors``) uses its
-``tokenizer.json`` when that is byte-level BPE (Qwen2/Qwen3, Llama 3, GPT-2), and one of the GPT-2 family
-without it GPT-2's vocabulary, which ships with llmscratch. Other vocabularies: pass ``--tokenizer`` (a JSON
+``tokenizer.json`` (Qwen2/Qwen3, Llama 3, GPT-2, Gemma: ``llmscratch.hf_tokenizer``), and one of the GPT-2
+family without it GPT-2's vocabulary, which ships with llmscratch. Other vocabularies: pass ``--tokenizer`` (a JSON
 file saved by chapter 1's script).
 """
 

@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     with value_errors_exit():
         model, tokenizer = load_model_and_tokenizer(args.model)
         # A Hugging Face folder's own chat format, if it has one; else ch05's instruction template
-        chat_template = ChatTemplate.from_hf(args.model) if Path(args.model).is_dir() else None
+        chat_template = ChatTemplate.from_hf(args.model, tokenizer) if Path(args.model).is_dir() else None
     model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
     engine = Engine(model, tokenizer, max_slots=args.max_slots, max_waiting=args.max_waiting,
                     batch_shape=args.batch_shape)

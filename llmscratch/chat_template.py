@@ -27,16 +27,18 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 @dataclass
 class ChatTemplate:
     """source: the Jinja text. tokens: the special tokens it may use by name (bos_token, eos_token, ...).
-    stop: the text that ends the model's answer (the folder's eos_token), or None."""
+    stops: the texts that end the model's answer (the folder's eos_token, and the tokens its
+    generation_config.json ends on: Gemma's "<end_of_turn>")."""
 
     source: str
     tokens: dict[str, str] = field(default_factory=dict)
-    stop: str | None = None
+    stops: tuple[str, ...] = ()
 
     @classmethod
-    def from_hf(cls, folder: str | os.PathLike) -> "ChatTemplate | None":
+    def from_hf(cls, folder: str | os.PathLike, tokenizer=None) -> "ChatTemplate | None":
         """The template of a Hugging Face folder (chat_template.jinja, else tokenizer_config.json's
-        "chat_template"), or None if it has none; a malformed file is a ValueError naming it."""
+        "chat_template"), or None if it has none; a malformed file is a ValueError naming it. With the
+        folder's tokenizer, the ids generation_config.json ends on are stops too."""
         folder = Path(folder)
         config_file = folder / "tokenizer_config.json"
         config = read_json_object(config_file) if config_file.is_file() else {}
@@ -51,7 +53,14 @@ class ChatTemplate:
         if not isinstance(source, str):
             raise ValueError(f"{config_file}: chat_template should be Jinja text, got {type(source).__name__}")
         tokens = {key: _token_text(config[key]) for key in SPECIAL_KEYS if config.get(key) is not None}
-        template = cls(source, tokens, tokens.get("eos_token"))
+        stops = [tokens["eos_token"]] if "eos_token" in tokens else []
+        generation_file = folder / "generation_config.json"
+        if tokenizer is not None and generation_file.is_file():
+            ends = read_json_object(generation_file).get("eos_token_id")
+            for token_id in ends if isinstance(ends, list) else [] if ends is None else [ends]:
+                if isinstance(token_id, int) and 0 <= token_id < tokenizer.vocab_size:
+                    stops.append(tokenizer.decode([token_id]))
+        template = cls(source, tokens, tuple(dict.fromkeys(stop for stop in stops if stop)))
         template._compiled  # a template that does not parse is named now, not at the first request
         return template
 

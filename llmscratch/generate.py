@@ -324,6 +324,14 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **options) -> t
 
 
 # --------------------------------------------------------------------------- text
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The ids a prompt is read as: special tokens written in it encoded as such, after the id a sequence
+    starts with where the tokenizer has one (``bos_id``: Gemma's "<bos>") and the prompt does not."""
+    ids = tokenizer.encode(prompt, allowed_special="all")
+    bos = getattr(tokenizer, "bos_id", None)
+    return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
+
+
 def stream_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **options) -> Iterator[str]:
     """Yield the continuation of prompt piece by piece, each piece whole UTF-8 characters.
 
@@ -332,7 +340,7 @@ def stream_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **optio
     which is not part of the text. Only ids the tokenizer knows are chosen (see ``vocab_size``),
     unless options say otherwise.
     """
-    idx = torch.tensor([tokenizer.encode(prompt, allowed_special="all")])  # (1, T); "<|endoftext|>" is one id
+    idx = torch.tensor([prompt_ids(tokenizer, prompt)])  # (1, T); "<|endoftext|>" is one id
     options.setdefault("vocab_size", min(tokenizer.n_vocab, model.config.vocab_size))
     # One token may hold half of a multi-byte character: hold bytes back until it is complete.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

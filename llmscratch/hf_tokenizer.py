@@ -1,21 +1,26 @@
-"""Hugging Face's ``tokenizer.json`` read as a ``BPETokenizer``: the byte-level BPE of GPT-2, Qwen2/Qwen3 and
-Llama 3, so that a model downloaded with its tokenizer generates and serves text here.
+"""Hugging Face's ``tokenizer.json`` read as a tokenizer of ours, so that a model downloaded with its
+tokenizer generates and serves text here: the byte-level BPE of GPT-2, Qwen2/Qwen3 and Llama 3 as a
+``BPETokenizer``, and Gemma's BPE over characters with byte fallback as a ``SentencePieceBPE``.
 
-Such a file keeps each token as text in GPT-2's printable alphabet for bytes (``byte_level_alphabet``), a
-merge list or a rank order, its pre-splitting regex, an optional Unicode normalization, and the added
-(special) tokens after the vocabulary. Every choice outside that (SentencePiece-style BPE with byte fallback,
-as Gemma's and Llama 2's; WordPiece; Unigram; other pre-tokenizers) is a ValueError that names it.
+A byte-level file keeps each token as text in GPT-2's printable alphabet for bytes (``byte_level_alphabet``),
+a merge list or a rank order, its pre-splitting regex, an optional Unicode normalization, and the added
+(special) tokens after the vocabulary. Every choice outside these two layouts (Llama 2's prepended "▁",
+WordPiece, Unigram, other pre-tokenizers or normalizers) is a ValueError that names it.
 """
 
 import functools
+import heapq
+import json
 import os
 from pathlib import Path
 
+from llmscratch.atomic import write_text_atomically
 from llmscratch.bpe import merges_from_ranks
 from llmscratch.hf_formats import read_json_object
-from llmscratch.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer
+from llmscratch.tokenizer import (GPT2_SPLIT_PATTERN, BPETokenizer, SpecialSet, _replace_lone_surrogates,
+                                  encode_with_specials)
 
-__all__ = ["byte_level_alphabet", "tokenizer_from_hf"]
+__all__ = ["SentencePieceBPE", "byte_level_alphabet", "tokenizer_from_hf"]
 
 NORMALIZATIONS = ("NFC", "NFKC", "NFD", "NFKD")
 
@@ -35,7 +40,7 @@ def byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
-def tokenizer_from_hf(path: str | os.PathLike) -> BPETokenizer:
+def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceBPE":
     """The ``BPETokenizer`` of a Hugging Face ``tokenizer.json`` (or a folder holding one).
 
     Token for token what the ``tokenizers`` library encodes with ``add_special_tokens=False`` (tests/
@@ -49,6 +54,8 @@ def tokenizer_from_hf(path: str | os.PathLike) -> BPETokenizer:
         raise ValueError(f"{file} is not a tokenizer.json: it has no 'model' object")
     model = data["model"]
     _check_model(model, file)
+    if model.get("byte_fallback"):
+        return _sentencepiece_bpe(data, file)
     vocab, merges = model.get("vocab"), model.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         raise ValueError(f"{file}: the BPE model needs a 'vocab' object and a 'merges' list")
@@ -86,11 +93,8 @@ def tokenizer_from_hf(path: str | os.PathLike) -> BPETokenizer:
 def _check_model(model: dict, file: Path) -> None:
     """A byte-level BPE model, or a ValueError naming what it is instead."""
     if model.get("type", "BPE") != "BPE":
-        raise ValueError(f"{file}: a {model['type']} tokenizer; llmscratch reads byte-level BPE only "
-                         "(GPT-2, Qwen2/Qwen3, Llama 3)")
-    if model.get("byte_fallback"):
-        raise ValueError(f"{file}: a SentencePiece-style BPE (byte_fallback, as Gemma's and Llama 2's), which "
-                         "llmscratch does not read yet; it reads byte-level BPE (GPT-2, Qwen2/Qwen3, Llama 3)")
+        raise ValueError(f"{file}: a {model['type']} tokenizer; llmscratch reads BPE only: byte-level (GPT-2, "
+                         "Qwen2/Qwen3, Llama 3) or with byte fallback (Gemma)")
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
             raise ValueError(f"{file}: the BPE model sets {key}={model[key]!r}, which byte-level BPE leaves unset")
@@ -151,3 +155,170 @@ def _merges_in_id_order(regular: dict[bytes, int], merges: list, vocab: dict[str
             return None
         pairs.append(ids[:2])
     return [token[0] for token in by_id[:256]], pairs
+
+
+# --------------------------------------------------------------------------- SentencePiece-style BPE (Gemma)
+def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
+    """Gemma's layout: spaces replaced by "▁", no split (or a split on spaces, which none are left to match),
+    BPE with byte fallback; the BOS its post-processor puts first, the EOS tokenizer_config.json names."""
+    model = data["model"]
+    normalizer, pre_tokenizer = data.get("normalizer") or {}, data.get("pre_tokenizer")
+    if (normalizer.get("type"), (normalizer.get("pattern") or {}).get("String"), normalizer.get("content")) != (
+            "Replace", " ", SPACE):
+        raise ValueError(f"{file}: a BPE with byte fallback is read with Gemma's normalizer (Replace ' ' by "
+                         f"'{SPACE}') only, not {normalizer or None}")
+    if pre_tokenizer is not None and (pre_tokenizer.get("type"), (pre_tokenizer.get("pattern") or {}).get("String")
+                                      ) != ("Split", " "):
+        raise ValueError(f"{file}: a BPE with byte fallback is read without a pre-tokenizer (as Gemma's), "
+                         f"not with {pre_tokenizer.get('type')}")
+    if model.get("ignore_merges"):
+        raise ValueError(f"{file}: ignore_merges with byte fallback is not supported")
+    merges = [tuple(merge.split(" ") if isinstance(merge, str) else merge) for merge in model.get("merges") or []]
+    if any(len(merge) != 2 for merge in merges):
+        raise ValueError(f"{file}: each merge must be two tokens")
+    added = {entry["content"]: entry["id"] for entry in data.get("added_tokens") or []}
+    first = ((data.get("post_processor") or {}).get("single") or [{}])[0]
+    bos = (first.get("SpecialToken") or {}).get("id")  # a TemplateProcessing that starts with a special token
+    config_file = file.parent / "tokenizer_config.json"
+    eos = read_json_object(config_file).get("eos_token") if config_file.is_file() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return SentencePieceBPE(model["vocab"], merges, added, model.get("unk_token"), eos, bos,
+                            file.parent.name or "hf")
+
+
+SPM_FORMAT, SPM_VERSION = "llmscratch-sentencepiece-bpe", 1
+SPACE = "\u2581"  # "▁": a space, as SentencePiece's vocabularies write it
+
+
+class SentencePieceBPE:
+    """BPE over characters with byte fallback, as Gemma's tokenizer.json lays it out.
+
+    Spaces become "▁"; the text between special tokens is one word whose characters are the first
+    symbols (a character outside the vocabulary: its UTF-8 bytes as the tokens "<0xNN>", or the unknown
+    token); then the merge of lowest rank applies, leftmost first, until none does. Special tokens sit
+    anywhere in the ids. The same interface as ``BPETokenizer`` for encoding, decoding and files.
+    """
+
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
+                 unk_token: str | None = None, eos_token: str | None = None, bos_token: str | None = None,
+                 name: str = "spm-bpe"):
+        self.name, self.special_tokens = name, dict(special_tokens)
+        self.token_ids = dict(vocab)
+        self.tokens = {i: token for token, i in {**vocab, **special_tokens}.items()}
+        self.merge_list = [tuple(pair) for pair in merges]
+        self.ranks: dict[tuple[int, int], tuple[int, int]] = {}  # (left id, right id) -> (rank, merged id)
+        for rank, (left, right) in enumerate(self.merge_list):
+            ids = vocab.get(left), vocab.get(right), vocab.get(left + right)
+            if None in ids:
+                raise ValueError(f"merge {rank} ({left!r}, {right!r}) names a token outside the vocabulary")
+            self.ranks.setdefault(ids[:2], (rank, ids[2]))
+        self.unk_token, self.eos_token, self.bos_token = unk_token, eos_token, bos_token
+        for role, token in (("unk_token", unk_token), ("eos_token", eos_token), ("bos_token", bos_token)):
+            if token is not None and token not in vocab and token not in special_tokens:
+                raise ValueError(f"{role} {token!r} is not a token of this vocabulary")
+        self._byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.tokens) + 1
+
+    @property
+    def n_vocab(self) -> int:
+        return self.vocab_size
+
+    @property
+    def eot_token(self) -> int | None:
+        """The id of the end-of-sequence token (Gemma's "<eos>")."""
+        return None if self.eos_token is None else self._id(self.eos_token)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The id a sequence starts with (Gemma's "<bos>"), which ``encode`` does not add."""
+        return None if self.bos_token is None else self._id(self.bos_token)
+
+    @functools.cached_property
+    def vocab(self) -> dict[int, bytes]:
+        """id -> the bytes it stands for, special tokens left out (as ``BPETokenizer.vocab``: bits per byte)."""
+        return {i: self.decode_bytes([i]) for token, i in self.token_ids.items() if token not in self.special_tokens}
+
+    def _id(self, token: str) -> int:
+        return self.special_tokens.get(token, self.token_ids.get(token))
+
+    def __repr__(self) -> str:
+        return (f"SentencePieceBPE(name={self.name!r}, vocab_size={self.vocab_size}, merges={len(self.merge_list)}, "
+                f"special_tokens={len(self.special_tokens)})")
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Encode text, special-token strings as ordinary text."""
+        symbols = []
+        for char in _replace_lone_surrogates(text).replace(" ", SPACE):
+            if (token_id := self.token_ids.get(char)) is not None:
+                symbols.append(token_id)
+                continue
+            fallback = [self._byte_ids[b] for b in char.encode("utf-8")]
+            if None not in fallback:
+                symbols.extend(fallback)
+            elif self.unk_token is not None and not (symbols and symbols[-1] == self._id(self.unk_token)):
+                symbols.append(self._id(self.unk_token))  # unknown characters in a row fuse into one
+            elif self.unk_token is None:
+                raise ValueError(f"the character {char!r} has no token, no byte tokens and there is no unknown token")
+        return self._merge(symbols)
+
+    def _merge(self, ids: list[int]) -> list[int]:
+        """Apply the merge of lowest rank, the leftmost among equals, until none applies."""
+        n = len(ids)
+        after, before = list(range(1, n + 1)), list(range(-1, n - 1))
+        heap = [(*self.ranks[pair], i) for i, pair in enumerate(zip(ids, ids[1:])) if pair in self.ranks]
+        heapq.heapify(heap)  # (rank, merged id, left position)
+        while heap:
+            rank, merged, i = heapq.heappop(heap)
+            j = after[i] if ids[i] >= 0 else n
+            if j >= n or self.ranks.get((ids[i], ids[j])) != (rank, merged):
+                continue  # stale: a part of this pair went into another merge
+            ids[i], ids[j] = merged, -1
+            after[i] = k = after[j]
+            if k < n:
+                before[k] = i
+                if (found := self.ranks.get((merged, ids[k]))) is not None:
+                    heapq.heappush(heap, (*found, i))
+            if (h := before[i]) >= 0 and (found := self.ranks.get((ids[h], merged))) is not None:
+                heapq.heappush(heap, (*found, h))
+        return [token for token in ids if token >= 0]
+
+    def encode(self, text: str, allowed_special: SpecialSet = (), disallowed_special: SpecialSet = "all") -> list[int]:
+        """As ``BPETokenizer.encode``: a special token in the text is an error unless allowed or passed as text."""
+        return encode_with_specials(self, text, allowed_special, disallowed_special)
+
+    def decode_bytes(self, ids) -> bytes:
+        parts = []
+        for token_id in ids:
+            token = self.tokens.get(int(token_id))
+            if token is None:
+                raise ValueError(f"token id {int(token_id)} is not in this vocabulary of {self.vocab_size:,} ids")
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and token in self.token_ids:
+                parts.append(bytes([int(token[3:5], 16)]))
+            else:
+                parts.append(token.replace(SPACE, " ").encode("utf-8"))
+        return b"".join(parts)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def to_json(self) -> str:
+        return json.dumps({"format": SPM_FORMAT, "version": SPM_VERSION, "name": self.name,
+                           "vocab": self.token_ids, "merges": [list(pair) for pair in self.merge_list],
+                           "special_tokens": self.special_tokens, "unk_token": self.unk_token,
+                           "eos_token": self.eos_token, "bos_token": self.bos_token}, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_document(cls, data: dict, source: str) -> "SentencePieceBPE":
+        if data.get("version") != SPM_VERSION:
+            raise ValueError(f"{source} has version {data.get('version')!r}; this llmscratch reads version {SPM_VERSION}")
+        try:
+            return cls(data["vocab"], data["merges"], data["special_tokens"], data["unk_token"], data["eos_token"],
+                       data["bos_token"], data["name"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_text_atomically(path, self.to_json())

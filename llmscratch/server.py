@@ -28,8 +28,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmscratch.engine import Engine, Event, QueueFull, SamplingParams
 from llmscratch.chat_template import ChatTemplate
+from llmscratch.engine import Engine, Event, QueueFull, SamplingParams
+from llmscratch.generate import prompt_ids as text_prompt_ids
 from llmscratch.instruct import TEMPLATE_MARKERS, format_chat
 
 CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new section has finished its answer
@@ -176,7 +177,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
 
     model_name: what clients pass as "model" (and what /v1/models lists). api_keys: empty serves
     anyone who can connect (keep the host 127.0.0.1 then). requests_per_minute: per key, None: no limit.
-    chat_template: a Hugging Face model's own chat format (its stop text ends an answer); None: ch05's
+    chat_template: a Hugging Face model's own chat format (its stop texts end an answer); None: ch05's
     instruction template, whose next section (chat_stop) ends an answer.
     """
     limit = RateLimit(requests_per_minute) if requests_per_minute else None
@@ -244,8 +245,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         admit(request, body)
         if body.echo or (body.best_of or 1) > 1:
             raise APIError(400, "echo and best_of > 1 are not supported", "unsupported")
-        prompt_ids = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt,
-                                                                                          allowed_special="all")
+        prompt_ids = body.prompt if isinstance(body.prompt, list) else text_prompt_ids(tokenizer, body.prompt)
         params = body.sampling(room(prompt_ids, body.max_tokens))
         return await answer(request, body, "text_completion", *start(prompt_ids, params))
 
@@ -260,7 +260,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
                 prompt_ids = chat_template.encode(messages, tokenizer)
         except ValueError as err:
             raise APIError(400, str(err), "invalid_value", "messages") from None
-        stops = (chat_stop,) if chat_template is None else (chat_template.stop,) if chat_template.stop else ()
+        stops = (chat_stop,) if chat_template is None else chat_template.stops
         params = body.sampling(room(prompt_ids, body.max_completion_tokens or body.max_tokens), stops)
         return await answer(request, body, "chat.completion", *start(prompt_ids, params))
 

@@ -196,33 +196,7 @@ class BPETokenizer:
         By default a special-token string in the text is an error (it may be an injection);
         allow it to get its id, or pass ``disallowed_special=()`` to encode it as text.
         """
-        allowed = self._special_set(allowed_special, "allowed_special")
-        disallowed = (set(self.special_tokens) - allowed if disallowed_special == "all"
-                      else self._special_set(disallowed_special, "disallowed_special"))
-        if disallowed and (found := _special_regex(disallowed).search(text)):
-            raise ValueError(
-                f"the text contains the special token {found.group()!r}, which is disallowed: "
-                f"pass allowed_special={{{found.group()!r}}} to encode it as a special token, "
-                f"or disallowed_special=() to encode it as ordinary text"
-            )
-        if not allowed:
-            return self.encode_ordinary(text)
-        ids = []
-        for i, piece in enumerate(_special_regex(allowed, capture=True).split(text)):
-            if i % 2:  # odd pieces are the captured special tokens
-                ids.append(self.special_tokens[piece])
-            elif piece:
-                ids.extend(self.encode_ordinary(piece))
-        return ids
-
-    def _special_set(self, names: SpecialSet, argument: str) -> set[str]:
-        if names == "all":
-            return set(self.special_tokens)
-        unknown = sorted(set(names) - set(self.special_tokens))
-        if unknown:
-            raise ValueError(f"{argument} names unknown special tokens {unknown}; this "
-                             f"tokenizer has {sorted(self.special_tokens)}")
-        return set(names)
+        return encode_with_specials(self, text, allowed_special, disallowed_special)
 
     # ------------------------------------------------------------------ decoding
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -261,6 +235,10 @@ class BPETokenizer:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
+        if isinstance(data, dict) and data.get("format") == "llmscratch-sentencepiece-bpe":  # Gemma's kind
+            from llmscratch.hf_tokenizer import SentencePieceBPE
+
+            return SentencePieceBPE.from_document(data, source)
         if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
             raise ValueError(f"{source} is not an {FILE_FORMAT} file (format field missing or wrong)")
         if data.get("version") != FILE_VERSION:
@@ -293,6 +271,40 @@ class BPETokenizer:
         except UnicodeDecodeError as err:
             raise ValueError(f"{path} is not a tokenizer file (not UTF-8: {err})") from None
         return cls.from_json(text, source=str(path))
+
+
+def encode_with_specials(tokenizer, text: str, allowed_special: SpecialSet = (),
+                         disallowed_special: SpecialSet = "all") -> list[int]:
+    """``encode`` for any tokenizer with ``special_tokens`` (str -> id) and ``encode_ordinary``: tiktoken's
+    rules for the special tokens in ``text`` (see ``BPETokenizer.encode``)."""
+    allowed = _special_set(tokenizer, allowed_special, "allowed_special")
+    disallowed = (set(tokenizer.special_tokens) - allowed if disallowed_special == "all"
+                  else _special_set(tokenizer, disallowed_special, "disallowed_special"))
+    if disallowed and (found := _special_regex(disallowed).search(text)):
+        raise ValueError(
+            f"the text contains the special token {found.group()!r}, which is disallowed: "
+            f"pass allowed_special={{{found.group()!r}}} to encode it as a special token, "
+            f"or disallowed_special=() to encode it as ordinary text"
+        )
+    if not allowed:
+        return tokenizer.encode_ordinary(text)
+    ids = []
+    for i, piece in enumerate(_special_regex(allowed, capture=True).split(text)):
+        if i % 2:  # odd pieces are the captured special tokens
+            ids.append(tokenizer.special_tokens[piece])
+        elif piece:
+            ids.extend(tokenizer.encode_ordinary(piece))
+    return ids
+
+
+def _special_set(tokenizer, names: SpecialSet, argument: str) -> set[str]:
+    if names == "all":
+        return set(tokenizer.special_tokens)
+    unknown = sorted(set(names) - set(tokenizer.special_tokens))
+    if unknown:
+        raise ValueError(f"{argument} names unknown special tokens {unknown}; this "
+                         f"tokenizer has {sorted(tokenizer.special_tokens)}")
+    return set(names)
 
 
 def load_gpt2_ranks() -> dict[bytes, int]:

@@ -21,7 +21,7 @@ from llmscratch.checkpoint import (EXPORT_FORMAT, check_weights, model_from_chec
                                   tokenizer_from_checkpoint, write_safetensors)
 from llmscratch.hf_formats import (IGNORED_SUFFIXES, read_json_object, config_from_hf, config_to_hf, family_of, hf_to_ours,
                                    language_model_tensors, ours_to_hf)
-from llmscratch.hf_tokenizer import tokenizer_from_hf
+from llmscratch.hf_tokenizer import SentencePieceBPE, tokenizer_from_hf
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
 
@@ -83,7 +83,7 @@ def load_model_and_tokenizer(path: str | os.PathLike, tokenizer_path: str | os.P
 
     ``path``: a pretraining run folder (its model.safetensors, else its checkpoint.pt), one of
     those two files, or a Hugging Face folder (config.json + safetensors). Our files carry their
-    tokenizer; a Hugging Face folder its tokenizer.json (byte-level BPE), else GPT-2's. ``tokenizer_path`` (a JSON file saved by
+    tokenizer; a Hugging Face folder its tokenizer.json, else GPT-2's. ``tokenizer_path`` (a JSON file saved by
     ``BPETokenizer.save``) replaces either. The tokenizer must fit the model's vocabulary.
     """
     if tokenizer_path is not None and not Path(tokenizer_path).is_file():
@@ -119,9 +119,9 @@ def _model_source(path: Path) -> Path:
     return path
 
 
-def _hf_tokenizer(folder: Path, model: GPT) -> BPETokenizer:
-    """The folder's own tokenizer.json (byte-level BPE: llmscratch.hf_tokenizer); without one, GPT-2's
-    tokenizer, for a model of the GPT-2 family or with GPT-2's vocabulary size."""
+def _hf_tokenizer(folder: Path, model: GPT) -> "BPETokenizer | SentencePieceBPE":
+    """The folder's own tokenizer.json (llmscratch.hf_tokenizer); without one, GPT-2's tokenizer, for a
+    model of the GPT-2 family or with GPT-2's vocabulary size."""
     if (folder / "tokenizer.json").is_file():
         return tokenizer_from_hf(folder / "tokenizer.json")
     vocab_size = model.config.vocab_size

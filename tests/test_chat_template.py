@@ -58,7 +58,7 @@ def test_encodes_as_transformers_apply_chat_template(folder, messages):
     assert template.encode(messages, tokenizer) == expected
     assert template.render(messages) == reference.apply_chat_template(
         messages, chat_template=CHATML, tokenize=False, add_generation_prompt=True)
-    assert template.stop == "<|im_end|>" and template.tokens == {"eos_token": "<|im_end|>",
+    assert template.stops == ("<|im_end|>",) and template.tokens == {"eos_token": "<|im_end|>",
                                                                 "pad_token": "<|endoftext|>"}
 
 
@@ -121,3 +121,14 @@ def test_the_server_chats_in_the_models_template_and_stops_at_its_end(folder):
     assert answer["choices"][0]["finish_reason"] == "stop"
     assert answer["usage"]["prompt_tokens"] == len(prompt)
     assert refused.status_code == 400 and "special token '<|im_start|>'" in refused.json()["error"]["message"]
+
+
+def test_the_generation_configs_end_tokens_are_stops_too(folder, tmp_path):
+    """Gemma's instruction models end a turn with <end_of_turn>, which generation_config.json names by id."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    tokenizer = tokenizer_from_hf(tmp_path)
+    ends = [tokenizer.special_tokens["<|endoftext|>"], tokenizer.special_tokens["<|im_end|>"], 10**9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}), encoding="utf-8")
+    assert ChatTemplate.from_hf(tmp_path, tokenizer).stops == ("<|im_end|>", "<|endoftext|>")
+    assert ChatTemplate.from_hf(tmp_path).stops == ("<|im_end|>",)  # without the tokenizer: the names alone

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from llmscratch.assets import read_moby_dick
-from llmscratch.hf_tokenizer import byte_level_alphabet, tokenizer_from_hf
+from llmscratch.hf_tokenizer import SentencePieceBPE, byte_level_alphabet, tokenizer_from_hf
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.weights import load_model_and_tokenizer, save_hf
@@ -138,7 +138,7 @@ def _edited(tmp_path, edit) -> object:
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d["model"].update(byte_fallback=True), "SentencePiece-style BPE"),
+    (lambda d: d["model"].update(byte_fallback=True), "read with Gemma's normalizer"),
     (lambda d: d["model"].update(type="WordPiece"), "a WordPiece tokenizer"),
     (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "pre-tokenizer ['Whitespace'] is not supported"),
     (lambda d: d["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True), "adds a prefix space"),
@@ -193,3 +193,99 @@ def test_gpt2s_own_tokenizer_json_reads_back_as_gpt2(tmp_path):
     expected = gpt2.encode(text, allowed_special="all")
     assert ours.encode(text, allowed_special="all") == expected
     assert reference.encode(text, add_special_tokens=False).ids == expected
+
+
+# --------------------------------------------------------------------------- Gemma: BPE with byte fallback
+def gemma_folder(folder):
+    """A Gemma-style tokenizer folder written by transformers' own GemmaTokenizer (its normalizer, split,
+    byte fallback and decoder): <pad> <eos> <bos> <unk>, the 256 byte tokens, then pieces over characters
+    learned from Moby-Dick with only 60 characters kept (the rest fall back to bytes), two turn markers
+    added; the post-processor puts <bos> first, as Gemma's does."""
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import GemmaTokenizer
+
+    text = read_moby_dick()[:50_000].replace(" ", "\u2581")
+    pieces = Tokenizer(models.BPE())
+    pieces.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)],
+                               trainers.BpeTrainer(vocab_size=500, limit_alphabet=60, show_progress=False))
+    document = json.loads(pieces.to_str())
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"])}
+    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
+    for token in sorted(document["model"]["vocab"], key=document["model"]["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(merge) for merge in document["model"]["merges"]]
+    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.save_pretrained(str(folder))
+    saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    saved["post_processor"] = {"type": "TemplateProcessing",
+                               "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                                          {"Sequence": {"id": "A", "type_id": 0}}],
+                               "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                               "special_tokens": {"<bos>": {"id": "<bos>", "ids": [2], "tokens": ["<bos>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    folder = gemma_folder(tmp_path_factory.mktemp("gemma"))
+    return Tokenizer.from_file(str(folder / "tokenizer.json")), tokenizer_from_hf(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS + ["  double  spaces and \u2581 itself", read_moby_dick()[200_000:215_000]])
+def test_gemma_encodes_as_the_tokenizers_library_does(gemma, text):
+    reference, ours = gemma
+    expected = reference.encode(text, add_special_tokens=False).ids
+    assert ours.encode(text, allowed_special="all") == expected
+    assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False)
+    assert [ours.bos_id, *ours.encode(text, allowed_special="all")] == reference.encode(text).ids
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=60))
+def test_gemma_encodes_arbitrary_text_as_the_tokenizers_library_does(gemma, text):
+    reference, ours = gemma
+    assert ours.encode(text, allowed_special="all") == reference.encode(text, add_special_tokens=False).ids
+
+
+def test_gemma_keeps_its_roles_and_its_file(gemma, tmp_path):
+    _, ours = gemma
+    assert isinstance(ours, SentencePieceBPE)
+    assert (ours.eot_token, ours.bos_id, ours.special_tokens["<end_of_turn>"]) == (1, 2, 762)
+    assert ours.vocab_size == 763 and len(ours.encode("\u00e9\u00e9\u00e9")) > 3  # é is no piece: its bytes
+    with pytest.raises(ValueError, match="special token '<end_of_turn>'"):
+        ours.encode("<end_of_turn>")
+    ours.save(tmp_path / "gemma.json")  # as a checkpoint keeps it
+    again = BPETokenizer.load(tmp_path / "gemma.json")
+    text = TEXTS[2] + "<end_of_turn>"
+    assert again.encode(text, allowed_special="all") == ours.encode(text, allowed_special="all")
+    assert (again.eot_token, again.bos_id) == (1, 2)
+
+
+def test_a_llama2_style_normalizer_is_named(tmp_path):
+    folder = gemma_folder(tmp_path)
+    saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    saved["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"},
+                                                               saved["normalizer"]]}
+    (folder / "tokenizer.json").write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(ValueError, match="read with Gemma's normalizer"):
+        tokenizer_from_hf(folder)
+
+
+def test_a_gemma_folder_loads_with_its_tokenizer_and_prompts_start_with_bos(tmp_path):
+    from llmscratch.evaluation import token_byte_lengths
+    from llmscratch.generate import prompt_ids
+
+    folder = gemma_folder(tmp_path)
+    config = GPTConfig.from_preset("gemma3-1b", vocab_size=800, context_length=64, d_model=32, n_layers=2,
+                                   n_heads=2, n_kv_heads=1, head_size=16, d_ff=64, sliding_window=8,
+                                   layer_types=("sliding", "full"))
+    save_hf(GPT(config), folder)
+    model, tokenizer = load_model_and_tokenizer(folder)
+    assert isinstance(tokenizer, SentencePieceBPE) and model.config.vocab_size == 800
+    assert prompt_ids(tokenizer, "Call me") == [2, *tokenizer.encode("Call me")]
+    assert prompt_ids(tokenizer, "<bos>Call me") == [2, *tokenizer.encode("Call me")]  # not twice
+    lengths = token_byte_lengths(tokenizer, 800)
+    assert lengths[2] == 0 and lengths[4] == 1 and lengths[tokenizer.encode("Call")[0]] == len(
+        tokenizer.decode(tokenizer.encode("Call")[:1]).encode())
