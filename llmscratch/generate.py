@@ -325,9 +325,13 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **options) -> t
 
 # --------------------------------------------------------------------------- text
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The ids a prompt is read as: special tokens written in it encoded as such, after the id a sequence
-    starts with where the tokenizer has one (``bos_id``: Gemma's "<bos>") and the prompt does not."""
-    ids = tokenizer.encode(prompt, allowed_special="all")
+    """The ids a prompt is read as: special tokens written in it encoded as such (``with_bos``)."""
+    return with_bos(tokenizer, tokenizer.encode(prompt, allowed_special="all"))
+
+
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """ids after the id a sequence starts with, where the tokenizer has one (``bos_id``: Gemma's "<bos>") and
+    ids do not start with it already."""
     bos = getattr(tokenizer, "bos_id", None)
     return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
 

@@ -17,12 +17,14 @@ from pathlib import Path
 from llmscratch.atomic import write_text_atomically
 from llmscratch.bpe import merges_from_ranks
 from llmscratch.hf_formats import read_json_object
-from llmscratch.tokenizer import (GPT2_SPLIT_PATTERN, BPETokenizer, SpecialSet, _replace_lone_surrogates,
-                                  encode_with_specials)
+from llmscratch.tokenizer import (GPT2_SPLIT_PATTERN, SPM_FILE_FORMAT, BPETokenizer, SpecialSet,
+                                  _replace_lone_surrogates, encode_with_specials)
 
 __all__ = ["SentencePieceBPE", "byte_level_alphabet", "tokenizer_from_hf"]
 
 NORMALIZATIONS = ("NFC", "NFKC", "NFD", "NFKD")
+SPM_VERSION = 1
+SPACE = "\u2581"  # "▁": a space, as SentencePiece's vocabularies write it
 
 
 @functools.cache
@@ -41,11 +43,12 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceBPE":
-    """The ``BPETokenizer`` of a Hugging Face ``tokenizer.json`` (or a folder holding one).
+    """The tokenizer of a Hugging Face ``tokenizer.json`` (or a folder holding one): a ``BPETokenizer`` for
+    byte-level BPE, a ``SentencePieceBPE`` for Gemma's.
 
     Token for token what the ``tokenizers`` library encodes with ``add_special_tokens=False`` (tests/
-    test_hf_tokenizer.py): a post-processor's added BOS is not added. Added tokens become special tokens
-    (encoded as such only where ``encode`` allows them, as for any of ours).
+    test_hf_tokenizer.py); Gemma's BOS, which its post-processor adds, is its ``bos_id``. Added tokens become
+    special tokens (encoded as such only where ``encode`` allows them, as for any of ours).
     """
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
@@ -91,13 +94,13 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
 
 
 def _check_model(model: dict, file: Path) -> None:
-    """A byte-level BPE model, or a ValueError naming what it is instead."""
+    """A BPE model, or a ValueError naming what it is instead."""
     if model.get("type", "BPE") != "BPE":
         raise ValueError(f"{file}: a {model['type']} tokenizer; llmscratch reads BPE only: byte-level (GPT-2, "
                          "Qwen2/Qwen3, Llama 3) or with byte fallback (Gemma)")
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
-            raise ValueError(f"{file}: the BPE model sets {key}={model[key]!r}, which byte-level BPE leaves unset")
+            raise ValueError(f"{file}: the BPE model sets {key}={model[key]!r}, which llmscratch's BPE leaves unset")
 
 
 def _token_bytes(token: str, file: Path) -> bytes:
@@ -186,10 +189,6 @@ def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
                             file.parent.name or "hf")
 
 
-SPM_FORMAT, SPM_VERSION = "llmscratch-sentencepiece-bpe", 1
-SPACE = "\u2581"  # "▁": a space, as SentencePiece's vocabularies write it
-
-
 class SentencePieceBPE:
     """BPE over characters with byte fallback, as Gemma's tokenizer.json lays it out.
 
@@ -216,11 +215,13 @@ class SentencePieceBPE:
         for role, token in (("unk_token", unk_token), ("eos_token", eos_token), ("bos_token", bos_token)):
             if token is not None and token not in vocab and token not in special_tokens:
                 raise ValueError(f"{role} {token!r} is not a token of this vocabulary")
-        self._byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]
+        self._byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]  # byte -> the id of its token
+        self._byte_of = {token_id: bytes([b]) for b, token_id in enumerate(self._byte_ids) if token_id is not None}
+        self._size = max(self.tokens) + 1
 
     @property
     def vocab_size(self) -> int:
-        return max(self.tokens) + 1
+        return self._size
 
     @property
     def n_vocab(self) -> int:
@@ -295,17 +296,15 @@ class SentencePieceBPE:
             token = self.tokens.get(int(token_id))
             if token is None:
                 raise ValueError(f"token id {int(token_id)} is not in this vocabulary of {self.vocab_size:,} ids")
-            if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and token in self.token_ids:
-                parts.append(bytes([int(token[3:5], 16)]))
-            else:
-                parts.append(token.replace(SPACE, " ").encode("utf-8"))
+            byte = self._byte_of.get(int(token_id))
+            parts.append(byte if byte is not None else token.replace(SPACE, " ").encode("utf-8"))
         return b"".join(parts)
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def to_json(self) -> str:
-        return json.dumps({"format": SPM_FORMAT, "version": SPM_VERSION, "name": self.name,
+        return json.dumps({"format": SPM_FILE_FORMAT, "version": SPM_VERSION, "name": self.name,
                            "vocab": self.token_ids, "merges": [list(pair) for pair in self.merge_list],
                            "special_tokens": self.special_tokens, "unk_token": self.unk_token,
                            "eos_token": self.eos_token, "bos_token": self.bos_token}, ensure_ascii=False) + "\n"

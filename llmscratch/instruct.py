@@ -17,7 +17,7 @@ from torch import nn
 
 from llmscratch.corpus import parse_json_lines, read_text_file
 from llmscratch.device import autocast
-from llmscratch.generate import generate
+from llmscratch.generate import generate, with_bos
 from llmscratch.losses import IGNORE_INDEX
 from llmscratch.metrics import exact_match
 from llmscratch.model import evaluating
@@ -101,7 +101,8 @@ def format_chat(messages: Sequence[dict]) -> str:
 
 def encode_records(records: Sequence[dict], tokenizer,
                    context_length: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference.
+    """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference
+    (after the tokenizer's BOS, where it has one: Gemma's).
 
     With ``context_length``, every record must fit whole in one training row: prompt + output
     + <|endoftext|> in context_length + 1 tokens (a row's inputs and targets are that, shifted by
@@ -109,7 +110,7 @@ def encode_records(records: Sequence[dict], tokenizer,
     end-of-text token, or masking all of its targets.
     """
     records = validate_records(list(records))
-    encoded = [(tokenizer.encode(format_prompt(r), disallowed_special=()),
+    encoded = [(with_bos(tokenizer, tokenizer.encode(format_prompt(r), disallowed_special=())),
                 tokenizer.encode(r["output"], disallowed_special=())) for r in records]
     if context_length is not None:
         too_long = [(index, len(prompt), len(output)) for index, (prompt, output) in enumerate(encoded)
@@ -260,7 +261,9 @@ def respond(model: nn.Module, tokenizer, records: Sequence[dict], max_new_tokens
         raise ValueError("the tokenizer has no <|endoftext|> token to end answers with")
     device = next(model.parameters()).device
     context = model.config.context_length
-    prompts = [tokenizer.encode(format_prompt(r), disallowed_special=()) for r in validate_records(list(records))]
+    vocab_size = min(tokenizer.n_vocab, model.config.vocab_size)  # never an id that only pads the model's rows
+    prompts = [with_bos(tokenizer, tokenizer.encode(format_prompt(r), disallowed_special=()))
+               for r in validate_records(list(records))]
     by_length: dict[int, list[int]] = {}
     for index, prompt in enumerate(prompts):
         if len(prompt) >= context:
@@ -275,7 +278,7 @@ def respond(model: nn.Module, tokenizer, records: Sequence[dict], max_new_tokens
                 chosen = indices[start : start + batch_size]
                 idx = torch.tensor([prompts[i] for i in chosen], device=device)  # (b, length)
                 with autocast(device, dtype):
-                    out = generate(model, idx, steps, eos_id=eos_id)  # (b, length + n)
+                    out = generate(model, idx, steps, eos_id=eos_id, vocab_size=vocab_size)  # (b, length + n)
                 for row, i in enumerate(chosen):
                     responses[i] = parse_response(out[row, length:].tolist(), tokenizer, eos_id)
                 if bar is not None:

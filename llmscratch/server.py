@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmscratch.chat_template import ChatTemplate
 from llmscratch.engine import Engine, Event, QueueFull, SamplingParams
-from llmscratch.generate import prompt_ids as text_prompt_ids
+from llmscratch.generate import prompt_ids as text_prompt_ids, with_bos
 from llmscratch.instruct import TEMPLATE_MARKERS, format_chat
 
 CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new section has finished its answer
@@ -255,7 +255,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         messages = [message.model_dump() for message in body.messages]
         try:
             if chat_template is None:
-                prompt_ids = tokenizer.encode(format_chat(messages), disallowed_special=())
+                prompt_ids = with_bos(tokenizer, tokenizer.encode(format_chat(messages), disallowed_special=()))
             else:
                 prompt_ids = chat_template.encode(messages, tokenizer)
         except ValueError as err:

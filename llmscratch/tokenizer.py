@@ -31,6 +31,7 @@ from llmscratch.progress import progress_bar
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 ENDOFTEXT = "<|endoftext|>"
 FILE_FORMAT, FILE_VERSION = "llmscratch-bpe", 1
+SPM_FILE_FORMAT = "llmscratch-sentencepiece-bpe"  # llmscratch.hf_tokenizer.SentencePieceBPE's files (Gemma's)
 _CACHE_LIMIT = 1 << 17  # chunk-cache entries kept before the cache is cleared
 _JSON_VALUE = r'(?:"(?:[^"\\]|\\.)*"|[^\s\[\]{},"]+)'  # a JSON string, number, true, false or null
 _FLAT_LIST = regex.compile(rf"\[\n +{_JSON_VALUE}(?:,\n +{_JSON_VALUE})*\n *\]")  # as json.dumps(indent=2) writes it
@@ -235,7 +236,7 @@ class BPETokenizer:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
-        if isinstance(data, dict) and data.get("format") == "llmscratch-sentencepiece-bpe":  # Gemma's kind
+        if isinstance(data, dict) and data.get("format") == SPM_FILE_FORMAT:  # Gemma's kind
             from llmscratch.hf_tokenizer import SentencePieceBPE
 
             return SentencePieceBPE.from_document(data, source)

@@ -408,6 +408,17 @@ def test_generation_stops_at_end_of_text_and_strips_the_template():
     assert evaluate_responses(RECORDS, responses) == {"exact_match": 1.0, "well_formed": 1.0, "by_family": {"say": 1.0}}
 
 
+def test_answers_never_use_the_ids_that_pad_a_models_vocabulary():
+    """A model with more rows than its tokenizer has tokens (Qwen3's 151,936 for 151,669; a padded head):
+    the padding ids, here the model's favourite after the prompt, are never chosen."""
+    tokenizer = hash_tokenizer()
+    newline, a, b, eot, padding = 10, 97, 98, 258, 300
+    model = successor_model({newline: padding, a: b, b: eot}, vocab_size=320, context_length=256, strength=10.0)
+    with torch.no_grad():  # a second choice after the prompt, below the padding id's logit
+        model.lm_head.weight[a, 0] = 5.0
+    assert respond(model, tokenizer, RECORDS[:1], max_new_tokens=10) == [Response("ab", finished=True, leaked=False)]
+
+
 def test_template_leakage_and_unfinished_answers_are_caught():
     tokenizer = hash_tokenizer()
     newline, a, b, space, hashes, eot = 10, 97, 98, 32, 257, 258

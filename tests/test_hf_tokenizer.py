@@ -276,6 +276,7 @@ def test_a_llama2_style_normalizer_is_named(tmp_path):
 def test_a_gemma_folder_loads_with_its_tokenizer_and_prompts_start_with_bos(tmp_path):
     from llmscratch.evaluation import token_byte_lengths
     from llmscratch.generate import prompt_ids
+    from llmscratch.instruct import encode_records
 
     folder = gemma_folder(tmp_path)
     config = GPTConfig.from_preset("gemma3-1b", vocab_size=800, context_length=64, d_model=32, n_layers=2,
@@ -286,6 +287,8 @@ def test_a_gemma_folder_loads_with_its_tokenizer_and_prompts_start_with_bos(tmp_
     assert isinstance(tokenizer, SentencePieceBPE) and model.config.vocab_size == 800
     assert prompt_ids(tokenizer, "Call me") == [2, *tokenizer.encode("Call me")]
     assert prompt_ids(tokenizer, "<bos>Call me") == [2, *tokenizer.encode("Call me")]  # not twice
+    record = {"instruction": "Say hi.", "input": "", "output": "hi"}
+    assert encode_records([record], tokenizer)[0][0][:1] == [2]  # finetuning reads prompts as serving does
     lengths = token_byte_lengths(tokenizer, 800)
     assert lengths[2] == 0 and lengths[4] == 1 and lengths[tokenizer.encode("Call")[0]] == len(
         tokenizer.decode(tokenizer.encode("Call")[:1]).encode())
