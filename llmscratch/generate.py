@@ -330,8 +330,8 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def with_bos(tokenizer, ids: list[int]) -> list[int]:
-    """ids after the id a sequence starts with, where the tokenizer has one (``bos_id``: Gemma's "<bos>") and
-    ids do not start with it already."""
+    """ids after the id a sequence starts with, where the tokenizer has one (``bos_id``: Llama 3's
+    "<|begin_of_text|>", Gemma's "<bos>") and ids do not start with it already."""
     bos = getattr(tokenizer, "bos_id", None)
     return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
 

@@ -47,7 +47,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     byte-level BPE, a ``SentencePieceBPE`` for Gemma's.
 
     Token for token what the ``tokenizers`` library encodes with ``add_special_tokens=False`` (tests/
-    test_hf_tokenizer.py); Gemma's BOS, which its post-processor adds, is its ``bos_id``. Added tokens become
+    test_hf_tokenizer.py); the BOS a post-processor adds (Llama 3's, Gemma's) is its ``bos_id``. Added tokens become
     special tokens (encoded as such only where ``encode`` allows them, as for any of ours).
     """
     path = Path(path)
@@ -73,7 +73,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     options = dict(pattern=_split_pattern(data.get("pre_tokenizer"), file),
                    special_tokens=added, name=file.parent.name or "hf",
                    normalization=_normalization(data.get("normalizer"), file),
-                   whole_chunks=bool(model.get("ignore_merges")))
+                   whole_chunks=bool(model.get("ignore_merges")), bos_token=_first_special(data))
     listed = _merges_in_id_order(regular, merges, vocab)
     if listed is not None:  # the merge list makes ids 256, 257, ... in order: read as it is
         byte_order, pairs = listed
@@ -160,6 +160,16 @@ def _merges_in_id_order(regular: dict[bytes, int], merges: list, vocab: dict[str
     return [token[0] for token in by_id[:256]], pairs
 
 
+def _first_special(data: dict) -> str | None:
+    """The special token the post-processor puts first (Llama 3's and Gemma's BOS), or None."""
+    processor = data.get("post_processor") or {}
+    steps = processor.get("processors", [processor])  # a Sequence of processors, or one
+    for step in steps:
+        if step.get("type") == "TemplateProcessing" and step.get("single"):
+            return (step["single"][0].get("SpecialToken") or {}).get("id")
+    return None
+
+
 # --------------------------------------------------------------------------- SentencePiece-style BPE (Gemma)
 def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
     """Gemma's layout: spaces replaced by "▁", no split (or a split on spaces, which none are left to match),
@@ -180,8 +190,7 @@ def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
     if any(len(merge) != 2 for merge in merges):
         raise ValueError(f"{file}: each merge must be two tokens")
     added = {entry["content"]: entry["id"] for entry in data.get("added_tokens") or []}
-    first = ((data.get("post_processor") or {}).get("single") or [{}])[0]
-    bos = (first.get("SpecialToken") or {}).get("id")  # a TemplateProcessing that starts with a special token
+    bos = _first_special(data)
     config_file = file.parent / "tokenizer_config.json"
     eos = read_json_object(config_file).get("eos_token") if config_file.is_file() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos

@@ -102,7 +102,7 @@ def format_chat(messages: Sequence[dict]) -> str:
 def encode_records(records: Sequence[dict], tokenizer,
                    context_length: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference
-    (after the tokenizer's BOS, where it has one: Gemma's).
+    (after the tokenizer's BOS, where it has one: Llama 3's, Gemma's).
 
     With ``context_length``, every record must fit whole in one training row: prompt + output
     + <|endoftext|> in context_length + 1 tokens (a row's inputs and targets are that, shifted by

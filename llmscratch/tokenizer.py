@@ -54,13 +54,15 @@ class BPETokenizer:
         name: str = "bpe",
         normalization: str | None = None,
         whole_chunks: bool = False,
+        bos_token: str | None = None,
     ):
         """``merges[i]`` creates id ``256 + i``; ``byte_order[i]`` is the byte of id ``i``.
 
         Two choices that tokenizers made elsewhere need (``llmscratch.hf_tokenizer``): ``normalization``, a
         Unicode form ("NFC", "NFKC", "NFD", "NFKD") the text is put in before it is split (Qwen's is NFC);
         ``whole_chunks``, a chunk that is itself a token encodes as that token without merging (tiktoken does
-        this, and Hugging Face's ``ignore_merges``).
+        this, and Hugging Face's ``ignore_merges``); ``bos_token``, a special token a sequence starts with
+        (Llama 3's "<|begin_of_text|>"), which ``encode`` does not add (``llmscratch.generate.with_bos`` does).
         """
         if normalization not in (None, "NFC", "NFKC", "NFD", "NFKD"):
             raise ValueError(f"normalization must be None, 'NFC', 'NFKC', 'NFD' or 'NFKD', got {normalization!r}")
@@ -93,6 +95,9 @@ class BPETokenizer:
                 f"merges, i.e. be {expected}"
             )
         self._special_by_id = {i: s.encode("utf-8") for s, i in self.special_tokens.items()}
+        if bos_token is not None and bos_token not in self.special_tokens:
+            raise ValueError(f"bos_token {bos_token!r} is not one of the special tokens {list(self.special_tokens)}")
+        self.bos_token = bos_token
         self._cache: dict[str, list[int]] = {}
         self._id_of = {token: i for i, token in self.vocab.items()} if self.whole_chunks else {}
 
@@ -111,6 +116,11 @@ class BPETokenizer:
     def eot_token(self) -> int | None:
         """Id of ``<|endoftext|>``, or None if this tokenizer has no such token."""
         return self.special_tokens.get(ENDOFTEXT)
+
+    @property
+    def bos_id(self) -> int | None:
+        """Id of the token a sequence starts with (``bos_token``), or None."""
+        return None if self.bos_token is None else self.special_tokens[self.bos_token]
 
     def __repr__(self) -> str:
         return (f"BPETokenizer(name={self.name!r}, vocab_size={self.vocab_size}, "
@@ -225,8 +235,8 @@ class BPETokenizer:
             "byte_order": None if self.byte_order == list(range(256)) else self.byte_order,
             "merges": [[left, right, _readable(self.vocab[new_id])] for (left, right), new_id in self.merges.items()],
         }
-        if self.normalization is not None or self.whole_chunks:  # written only when set: older files stay as they were
-            document.update(normalization=self.normalization, whole_chunks=self.whole_chunks)
+        extras = dict(normalization=self.normalization, whole_chunks=self.whole_chunks, bos_token=self.bos_token)
+        document.update({key: value for key, value in extras.items() if value})  # only when set: older files stay
         return _one_line_lists(json.dumps(document, ensure_ascii=False, indent=2)) + "\n"
 
     @classmethod
@@ -249,7 +259,8 @@ class BPETokenizer:
             merges = [(int(left), int(right)) for left, right, _ in data["merges"]]
             tokenizer = cls(merges, pattern=data["pattern"], special_tokens=data["special_tokens"],
                             byte_order=data["byte_order"], name=data["name"],
-                            normalization=data.get("normalization"), whole_chunks=data.get("whole_chunks", False))
+                            normalization=data.get("normalization"), whole_chunks=data.get("whole_chunks", False),
+                            bos_token=data.get("bos_token"))
         except ValueError as err:  # our own checks: a sentence that names the bad value
             raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
         except (KeyError, TypeError) as err:

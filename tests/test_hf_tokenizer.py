@@ -13,6 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from llmscratch.assets import read_moby_dick
 from llmscratch.hf_tokenizer import SentencePieceBPE, byte_level_alphabet, tokenizer_from_hf
+from llmscratch.generate import with_bos
 from llmscratch.model import GPT, GPTConfig
 from llmscratch.tokenizer import BPETokenizer
 from llmscratch.weights import load_model_and_tokenizer, save_hf
@@ -70,6 +71,14 @@ def llama3_style(tmp_path) -> Tokenizer:
                     key=lambda pair: (vocab[pair[0] + pair[1]], vocab[pair[0]], vocab[pair[1]]))
     document["model"].update(merges=[list(pair) for pair in merges], ignore_merges=True)
     document["normalizer"] = None
+    start = SPECIALS[1]  # as Llama 3's <|begin_of_text|>: the post-processor puts it first
+    added = {entry["content"]: entry["id"] for entry in document["added_tokens"]}
+    document["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": start, "type_id": 0}},
+                                                  {"Sequence": {"id": "A", "type_id": 0}}],
+         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+         "special_tokens": {start: {"id": start, "ids": [added[start]], "tokens": [start]}}}]}
     path = tmp_path / "llama3.json"
     path.write_text(json.dumps(document), encoding="utf-8")
     return Tokenizer.from_file(str(path))
@@ -90,6 +99,10 @@ def assert_same(pair, text: str) -> None:
     expected = reference.encode(text, add_special_tokens=False).ids
     assert ours.encode(text, allowed_special="all") == expected, text
     assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=False)
+    with_start = reference.encode(text).ids  # its post-processor's BOS added
+    if ours.bos_id is not None and with_start[1:2] == [ours.bos_id]:
+        with_start = with_start[1:]  # a text that starts with the BOS already: ours keeps one, not two
+    assert with_bos(ours, ours.encode(text, allowed_special="all")) == with_start
 
 
 @pytest.mark.parametrize("text", TEXTS + [read_moby_dick()[200_000:230_000]])
@@ -106,14 +119,15 @@ def test_encodes_arbitrary_text_as_the_tokenizers_library_does(pair, text):
 def test_the_layouts_take_both_paths_and_keep_their_choices(tmp_path):
     qwen = tokenizer_from_hf(_saved(qwen_style(), tmp_path / "qwen"))
     llama3 = tokenizer_from_hf(_saved(llama3_style(tmp_path), tmp_path / "llama3"))
-    assert (qwen.normalization, qwen.whole_chunks) == ("NFC", False)
-    assert (llama3.normalization, llama3.whole_chunks) == (None, True)
+    assert (qwen.normalization, qwen.whole_chunks, qwen.bos_id) == ("NFC", False, None)
+    assert (llama3.normalization, llama3.whole_chunks, llama3.bos_id) == (None, True, 701)
     assert qwen.merges == llama3.merges  # the merge list read as it is, and recovered from the ranks
     assert qwen.special_tokens == {token: 700 + i for i, token in enumerate(SPECIALS)}
     assert qwen.eot_token == 700
     again = BPETokenizer.from_json(qwen.to_json())  # our own file keeps both choices
     assert (again.normalization, again.whole_chunks, again.merges) == ("NFC", False, qwen.merges)
     assert again.encode("cafe\u0301") == qwen.encode("caf\u00e9")
+    assert BPETokenizer.from_json(llama3.to_json()).bos_token == SPECIALS[1]
 
 
 def test_the_byte_alphabet_is_gpt2s():
