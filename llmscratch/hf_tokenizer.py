@@ -321,7 +321,8 @@ class SentencePieceBPE:
     @classmethod
     def from_document(cls, data: dict, source: str) -> "SentencePieceBPE":
         if data.get("version") != SPM_VERSION:
-            raise ValueError(f"{source} has version {data.get('version')!r}; this llmscratch reads version {SPM_VERSION}")
+            raise ValueError(f"{source} has version {data.get('version')!r}; this llmscratch reads version "
+                             f"{SPM_VERSION}")
         try:
             return cls(data["vocab"], data["merges"], data["special_tokens"], data["unk_token"], data["eos_token"],
                        data["bos_token"], data["name"])

@@ -19,8 +19,8 @@ import torch
 from llmscratch.atomic import write_text_atomically
 from llmscratch.checkpoint import (EXPORT_FORMAT, check_weights, model_from_checkpoint, read_safetensors,
                                   tokenizer_from_checkpoint, write_safetensors)
-from llmscratch.hf_formats import (IGNORED_SUFFIXES, read_json_object, config_from_hf, config_to_hf, family_of, hf_to_ours,
-                                   language_model_tensors, ours_to_hf)
+from llmscratch.hf_formats import (IGNORED_SUFFIXES, config_from_hf, config_to_hf, family_of, hf_to_ours,
+                                   language_model_tensors, ours_to_hf, read_json_object)
 from llmscratch.hf_tokenizer import SentencePieceBPE, tokenizer_from_hf
 from llmscratch.model import GPT
 from llmscratch.tokenizer import BPETokenizer
@@ -84,11 +84,16 @@ def load_model_and_tokenizer(path: str | os.PathLike, tokenizer_path: str | os.P
     ``path``: a pretraining run folder (its model.safetensors, else its checkpoint.pt), one of
     those two files, or a Hugging Face folder (config.json + safetensors). Our files carry their
     tokenizer; a Hugging Face folder its tokenizer.json, else GPT-2's. ``tokenizer_path`` (a JSON file saved by
-    ``BPETokenizer.save``) replaces either. The tokenizer must fit the model's vocabulary.
+    ``BPETokenizer.save``, or a Hugging Face tokenizer.json) replaces either. The tokenizer must fit the model's
+    vocabulary.
     """
     if tokenizer_path is not None and not Path(tokenizer_path).is_file():
-        raise ValueError(f"tokenizer {tokenizer_path}: no such file (expected a JSON file saved by BPETokenizer.save)")
-    tokenizer = BPETokenizer.load(tokenizer_path) if tokenizer_path is not None else None
+        raise ValueError(f"tokenizer {tokenizer_path}: no such file (expected a JSON file saved by BPETokenizer.save, "
+                         "or a Hugging Face tokenizer.json)")
+    tokenizer = None
+    if tokenizer_path is not None:
+        hf = _is_hf_tokenizer(Path(tokenizer_path))
+        tokenizer = tokenizer_from_hf(tokenizer_path) if hf else BPETokenizer.load(tokenizer_path)
     source = _model_source(Path(path))
     if source.is_dir():
         model = load_hf(source)
@@ -117,6 +122,15 @@ def _model_source(path: Path) -> Path:
         if metadata.get("format") != EXPORT_FORMAT and (path.parent / "config.json").is_file():
             return path.parent  # the weights of a Hugging Face folder: the folder has their config
     return path
+
+
+def _is_hf_tokenizer(path: Path) -> bool:
+    """Whether a JSON file is a Hugging Face tokenizer.json (a "model" object, no format of ours)."""
+    try:
+        content = read_json_object(path)
+    except ValueError:
+        return False  # BPETokenizer.load names what is wrong with it
+    return isinstance(content.get("model"), dict) and "format" not in content
 
 
 def _hf_tokenizer(folder: Path, model: GPT) -> "BPETokenizer | SentencePieceBPE":

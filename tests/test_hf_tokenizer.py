@@ -177,6 +177,10 @@ def test_a_hugging_face_folder_loads_with_its_own_tokenizer(tmp_path):
     model, tokenizer = load_model_and_tokenizer(folder)
     assert tokenizer.vocab_size == 703 and tokenizer.normalization == "NFC"
     assert model.config.vocab_size == 768
+    (folder / "tokenizer.json").rename(tmp_path / "elsewhere.json")  # given with --tokenizer instead
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_model_and_tokenizer(folder)
+    assert load_model_and_tokenizer(folder, tmp_path / "elsewhere.json")[1].merges == tokenizer.merges
     (folder / "tokenizer.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="has no 'model' object"):
         load_model_and_tokenizer(folder)
