@@ -79,7 +79,9 @@ class ChatTemplate:
         tokenizer's special tokens is a ValueError naming it (it could end its turn and forge another)."""
         for index, message in enumerate(messages):
             content = message.get("content")
-            found = [token for token in tokenizer.special_tokens if isinstance(content, str) and token in content]
+            found = [token for token in tokenizer.special_tokens
+                     if token not in getattr(tokenizer, "added_text", ()) and isinstance(content, str)
+                     and token in content]
             if found:
                 first = min(found, key=content.index)
                 raise ValueError(f"message {index} contains the special token {first!r}, which only the chat "
@@ -101,7 +103,7 @@ class ChatTemplate:
             return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
+                                                    extensions=["jinja2.ext.loopcontrols", _generation_block()])
         environment.filters["tojson"] = tojson
         environment.globals.update(raise_exception=raise_exception,
                                    strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
@@ -114,3 +116,18 @@ class ChatTemplate:
 def _token_text(value) -> str:
     """A special token as tokenizer_config.json writes it: the text, or an object with its "content"."""
     return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _generation_block():
+    """A Jinja extension for ``{% generation %}...{% endgeneration %}``, which transformers' templates use to
+    mark the assistant's part for training masks: here it renders what it holds, as transformers does."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation

@@ -21,10 +21,11 @@ from llmscratch.model import evaluating, unwrap
 def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
     """(vocab_size,) float64: UTF-8 byte length of each token id (0 for special and padding ids).
 
-    ``tokenizer.vocab`` maps id -> bytes, as ``BPETokenizer`` does.
+    ``tokenizer.vocab`` maps id -> bytes, as ``BPETokenizer`` does; its ``added_text`` tokens count as text.
     """
     lengths = torch.zeros(vocab_size, dtype=torch.float64)
-    for token_id, token in tokenizer.vocab.items():
+    text = {tokenizer.special_tokens[name]: name.encode("utf-8") for name in getattr(tokenizer, "added_text", ())}
+    for token_id, token in {**tokenizer.vocab, **text}.items():  # added text (Qwen3's "<think>") is text too
         if token_id >= vocab_size:
             raise ValueError(f"token id {token_id} does not fit a model vocabulary of {vocab_size}")
         lengths[token_id] = len(token)

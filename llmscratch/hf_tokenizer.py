@@ -12,13 +12,14 @@ import functools
 import heapq
 import json
 import os
+import unicodedata
 from pathlib import Path
 
 from llmscratch.atomic import write_text_atomically
 from llmscratch.bpe import merges_from_ranks
 from llmscratch.hf_formats import read_json_object
 from llmscratch.tokenizer import (GPT2_SPLIT_PATTERN, SPM_FILE_FORMAT, BPETokenizer, SpecialSet,
-                                  _replace_lone_surrogates, encode_with_specials)
+                                  _replace_lone_surrogates, encode_with_specials, split_added_text)
 
 __all__ = ["SentencePieceBPE", "byte_level_alphabet", "tokenizer_from_hf"]
 
@@ -62,7 +63,9 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     vocab, merges = model.get("vocab"), model.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         raise ValueError(f"{file}: the BPE model needs a 'vocab' object and a 'merges' list")
-    added = {entry["content"]: entry["id"] for entry in data.get("added_tokens") or []}
+    normalization = _normalization(data.get("normalizer"), file)
+    added, added_text = _added_tokens(data, file, lambda text: unicodedata.normalize(normalization, text)
+                                      if normalization else text)
     regular = {_token_bytes(token, file): token_id for token, token_id in vocab.items() if token not in added}
     n = len(regular)
     if sorted(regular.values()) != list(range(n)):
@@ -72,8 +75,9 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
                          f"{n:,} ids ({n}..{n + len(added) - 1}); llmscratch keeps special tokens last")
     options = dict(pattern=_split_pattern(data.get("pre_tokenizer"), file),
                    special_tokens=added, name=file.parent.name or "hf",
-                   normalization=_normalization(data.get("normalizer"), file),
-                   whole_chunks=bool(model.get("ignore_merges")), bos_token=_first_special(data))
+                   normalization=normalization,
+                   whole_chunks=bool(model.get("ignore_merges")), bos_token=_first_special(data),
+                   eos_token=_config_token(file, "eos_token", added), added_text=added_text)
     listed = _merges_in_id_order(regular, merges, vocab)
     if listed is not None:  # the merge list makes ids 256, 257, ... in order: read as it is
         byte_order, pairs = listed
@@ -128,7 +132,8 @@ def _split_pattern(pre_tokenizer: dict | None, file: Path) -> str:
         return GPT2_SPLIT_PATTERN  # what ByteLevel's use_regex splits by
     split = steps[0]
     pattern = (split.get("pattern") or {}).get("Regex")
-    if pattern is None or split.get("behavior") != "Isolated" or split.get("invert") or byte_level.get("use_regex"):
+    if (pattern is None or split.get("behavior") != "Isolated" or split.get("invert")
+            or byte_level.get("use_regex", True)):  # a second split by GPT-2's regex: not supported
         raise ValueError(f"{file}: the Split pre-tokenizer {split} is not supported: a Regex pattern, behavior "
                          "Isolated, not inverted, and a ByteLevel after it with use_regex false are")
     return pattern
@@ -160,6 +165,30 @@ def _merges_in_id_order(regular: dict[bytes, int], merges: list, vocab: dict[str
     return [token[0] for token in by_id[:256]], pairs
 
 
+def _added_tokens(data: dict, file: Path, normalize) -> tuple[dict[str, int], list[str]]:
+    """The added tokens ({content: id}), and those among them that are not special: text, which the
+    ``tokenizers`` library matches wherever it is written (Qwen3's "<think>", Gemma's runs of spaces).
+
+    They are matched in the text as written. One marked ``normalized`` that the normalizer changes (a run of
+    spaces under Gemma's) would be matched in the normalized text instead: a ValueError names it.
+    """
+    entries = data.get("added_tokens") or []
+    for entry in entries:
+        if entry.get("normalized") and normalize(entry["content"]) != entry["content"]:
+            raise ValueError(f"{file}: the added token {entry['content']!r} is matched after normalization, as "
+                             f"{normalize(entry['content'])!r}, which llmscratch does not do")
+    return ({entry["content"]: entry["id"] for entry in entries},
+            [entry["content"] for entry in entries if not entry.get("special", False)])
+
+
+def _config_token(file: Path, key: str, known: dict[str, int]) -> str | None:
+    """The token tokenizer_config.json beside ``file`` names for ``key`` (eos_token), if it is one of ``known``."""
+    config_file = file.parent / "tokenizer_config.json"
+    token = read_json_object(config_file).get(key) if config_file.is_file() else None
+    token = token.get("content") if isinstance(token, dict) else token
+    return token if token in known else None
+
+
 def _first_special(data: dict) -> str | None:
     """The special token the post-processor puts first (Llama 3's and Gemma's BOS), or None."""
     processor = data.get("post_processor") or {}
@@ -189,13 +218,11 @@ def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
     merges = [tuple(merge.split(" ") if isinstance(merge, str) else merge) for merge in model.get("merges") or []]
     if any(len(merge) != 2 for merge in merges):
         raise ValueError(f"{file}: each merge must be two tokens")
-    added = {entry["content"]: entry["id"] for entry in data.get("added_tokens") or []}
-    bos = _first_special(data)
-    config_file = file.parent / "tokenizer_config.json"
-    eos = read_json_object(config_file).get("eos_token") if config_file.is_file() else None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return SentencePieceBPE(model["vocab"], merges, added, model.get("unk_token"), eos, bos,
-                            file.parent.name or "hf")
+    added, added_text = _added_tokens(data, file, lambda text: text.replace(" ", SPACE))
+    return SentencePieceBPE(model["vocab"], merges, added, model.get("unk_token"),
+                            _config_token(file, "eos_token", {**model["vocab"], **added}), _first_special(data),
+                            file.parent.name or "hf", added_text=added_text,
+                            fuse_unk=bool(model.get("fuse_unk", False)))
 
 
 class SentencePieceBPE:
@@ -209,7 +236,7 @@ class SentencePieceBPE:
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
                  unk_token: str | None = None, eos_token: str | None = None, bos_token: str | None = None,
-                 name: str = "spm-bpe"):
+                 name: str = "spm-bpe", added_text: list[str] = (), fuse_unk: bool = True):
         self.name, self.special_tokens = name, dict(special_tokens)
         self.token_ids = dict(vocab)
         self.tokens = {i: token for token, i in {**vocab, **special_tokens}.items()}
@@ -219,8 +246,11 @@ class SentencePieceBPE:
             ids = vocab.get(left), vocab.get(right), vocab.get(left + right)
             if None in ids:
                 raise ValueError(f"merge {rank} ({left!r}, {right!r}) names a token outside the vocabulary")
-            self.ranks.setdefault(ids[:2], (rank, ids[2]))
-        self.unk_token, self.eos_token, self.bos_token = unk_token, eos_token, bos_token
+            self.ranks[ids[:2]] = (rank, ids[2])  # a pair listed twice: the later rank, as in ``tokenizers``
+        self.unk_token, self.eos_token, self.bos_token, self.fuse_unk = unk_token, eos_token, bos_token, fuse_unk
+        self.added_text = frozenset(added_text)
+        if unknown := sorted(self.added_text - set(special_tokens)):
+            raise ValueError(f"added_text {unknown} are not among the special tokens")
         for role, token in (("unk_token", unk_token), ("eos_token", eos_token), ("bos_token", bos_token)):
             if token is not None and token not in vocab and token not in special_tokens:
                 raise ValueError(f"{role} {token!r} is not a token of this vocabulary")
@@ -259,7 +289,10 @@ class SentencePieceBPE:
                 f"special_tokens={len(self.special_tokens)})")
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Encode text, special-token strings as ordinary text."""
+        """Encode text, special-token strings as ordinary text (``added_text`` excepted)."""
+        return split_added_text(self, text, self._encode_plain)
+
+    def _encode_plain(self, text: str) -> list[int]:
         symbols = []
         for char in _replace_lone_surrogates(text).replace(" ", SPACE):
             if (token_id := self.token_ids.get(char)) is not None:
@@ -268,9 +301,11 @@ class SentencePieceBPE:
             fallback = [self._byte_ids[b] for b in char.encode("utf-8")]
             if None not in fallback:
                 symbols.extend(fallback)
-            elif self.unk_token is not None and not (symbols and symbols[-1] == self._id(self.unk_token)):
-                symbols.append(self._id(self.unk_token))  # unknown characters in a row fuse into one
-            elif self.unk_token is None:
+            elif self.unk_token is not None:
+                unk = self._id(self.unk_token)
+                if not (self.fuse_unk and symbols and symbols[-1] == unk):  # fused: unknowns in a row are one
+                    symbols.append(unk)
+            else:
                 raise ValueError(f"the character {char!r} has no token, no byte tokens and there is no unknown token")
         return self._merge(symbols)
 
@@ -316,7 +351,8 @@ class SentencePieceBPE:
         return json.dumps({"format": SPM_FILE_FORMAT, "version": SPM_VERSION, "name": self.name,
                            "vocab": self.token_ids, "merges": [list(pair) for pair in self.merge_list],
                            "special_tokens": self.special_tokens, "unk_token": self.unk_token,
-                           "eos_token": self.eos_token, "bos_token": self.bos_token}, ensure_ascii=False) + "\n"
+                           "eos_token": self.eos_token, "bos_token": self.bos_token,
+                           "added_text": sorted(self.added_text), "fuse_unk": self.fuse_unk}, ensure_ascii=False) + "\n"
 
     @classmethod
     def from_document(cls, data: dict, source: str) -> "SentencePieceBPE":
@@ -325,7 +361,7 @@ class SentencePieceBPE:
                              f"{SPM_VERSION}")
         try:
             return cls(data["vocab"], data["merges"], data["special_tokens"], data["unk_token"], data["eos_token"],
-                       data["bos_token"], data["name"])
+                       data["bos_token"], data["name"], data["added_text"], data["fuse_unk"])
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
 

@@ -55,6 +55,8 @@ class BPETokenizer:
         normalization: str | None = None,
         whole_chunks: bool = False,
         bos_token: str | None = None,
+        eos_token: str | None = None,
+        added_text: Collection[str] = (),
     ):
         """``merges[i]`` creates id ``256 + i``; ``byte_order[i]`` is the byte of id ``i``.
 
@@ -62,7 +64,10 @@ class BPETokenizer:
         Unicode form ("NFC", "NFKC", "NFD", "NFKD") the text is put in before it is split (Qwen's is NFC);
         ``whole_chunks``, a chunk that is itself a token encodes as that token without merging (tiktoken does
         this, and Hugging Face's ``ignore_merges``); ``bos_token``, a special token a sequence starts with
-        (Llama 3's "<|begin_of_text|>"), which ``encode`` does not add (``llmscratch.generate.with_bos`` does).
+        (Llama 3's "<|begin_of_text|>"), which ``encode`` does not add (``llmscratch.generate.with_bos`` does);
+        ``eos_token``, the one that ends it (default ``<|endoftext|>``); ``added_text``, special tokens that
+        are text rather than control, always encoded as themselves, wherever they are written (Qwen3's
+        "<think>"; Hugging Face's added tokens that are not special).
         """
         if normalization not in (None, "NFC", "NFKC", "NFD", "NFKD"):
             raise ValueError(f"normalization must be None, 'NFC', 'NFKC', 'NFD' or 'NFKD', got {normalization!r}")
@@ -95,9 +100,13 @@ class BPETokenizer:
                 f"merges, i.e. be {expected}"
             )
         self._special_by_id = {i: s.encode("utf-8") for s, i in self.special_tokens.items()}
-        if bos_token is not None and bos_token not in self.special_tokens:
-            raise ValueError(f"bos_token {bos_token!r} is not one of the special tokens {list(self.special_tokens)}")
-        self.bos_token = bos_token
+        for role, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if token is not None and token not in self.special_tokens:
+                raise ValueError(f"{role} {token!r} is not one of the special tokens {list(self.special_tokens)}")
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.added_text = frozenset(check_special_tokens(added_text))
+        if unknown := sorted(self.added_text - set(self.special_tokens)):
+            raise ValueError(f"added_text {unknown} are not among the special tokens {list(self.special_tokens)}")
         self._cache: dict[str, list[int]] = {}
         self._id_of = {token: i for i, token in self.vocab.items()} if self.whole_chunks else {}
 
@@ -114,8 +123,8 @@ class BPETokenizer:
 
     @property
     def eot_token(self) -> int | None:
-        """Id of ``<|endoftext|>``, or None if this tokenizer has no such token."""
-        return self.special_tokens.get(ENDOFTEXT)
+        """Id of the token that ends a text (``eos_token``, else ``<|endoftext|>``), or None if there is none."""
+        return self.special_tokens.get(self.eos_token or ENDOFTEXT)
 
     @property
     def bos_id(self) -> int | None:
@@ -186,7 +195,10 @@ class BPETokenizer:
         return apply_merges([self._byte_to_id[b] for b in chunk], self.merges)
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Encode text, treating special-token strings as ordinary text."""
+        """Encode text, treating special-token strings as ordinary text (``added_text`` excepted)."""
+        return split_added_text(self, text, self._encode_plain)
+
+    def _encode_plain(self, text: str) -> list[int]:
         text = _replace_lone_surrogates(text)
         if self.normalization is not None:
             text = unicodedata.normalize(self.normalization, text)
@@ -235,7 +247,8 @@ class BPETokenizer:
             "byte_order": None if self.byte_order == list(range(256)) else self.byte_order,
             "merges": [[left, right, _readable(self.vocab[new_id])] for (left, right), new_id in self.merges.items()],
         }
-        extras = dict(normalization=self.normalization, whole_chunks=self.whole_chunks, bos_token=self.bos_token)
+        extras = dict(normalization=self.normalization, whole_chunks=self.whole_chunks, bos_token=self.bos_token,
+                      eos_token=self.eos_token, added_text=sorted(self.added_text))
         document.update({key: value for key, value in extras.items() if value})  # only when set: older files stay
         return _one_line_lists(json.dumps(document, ensure_ascii=False, indent=2)) + "\n"
 
@@ -260,7 +273,8 @@ class BPETokenizer:
             tokenizer = cls(merges, pattern=data["pattern"], special_tokens=data["special_tokens"],
                             byte_order=data["byte_order"], name=data["name"],
                             normalization=data.get("normalization"), whole_chunks=data.get("whole_chunks", False),
-                            bos_token=data.get("bos_token"))
+                            bos_token=data.get("bos_token"), eos_token=data.get("eos_token"),
+                            added_text=data.get("added_text", ()))
         except ValueError as err:  # our own checks: a sentence that names the bad value
             raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
         except (KeyError, TypeError) as err:
@@ -292,6 +306,7 @@ def encode_with_specials(tokenizer, text: str, allowed_special: SpecialSet = (),
     allowed = _special_set(tokenizer, allowed_special, "allowed_special")
     disallowed = (set(tokenizer.special_tokens) - allowed if disallowed_special == "all"
                   else _special_set(tokenizer, disallowed_special, "disallowed_special"))
+    disallowed -= tokenizer.added_text  # text, not control: always encoded as themselves
     if disallowed and (found := _special_regex(disallowed).search(text)):
         raise ValueError(
             f"the text contains the special token {found.group()!r}, which is disallowed: "
@@ -306,6 +321,19 @@ def encode_with_specials(tokenizer, text: str, allowed_special: SpecialSet = (),
             ids.append(tokenizer.special_tokens[piece])
         elif piece:
             ids.extend(tokenizer.encode_ordinary(piece))
+    return ids
+
+
+def split_added_text(tokenizer, text: str, encode_plain) -> list[int]:
+    """``encode_plain`` on the text between the tokenizer's ``added_text`` tokens, each of which is its id."""
+    if not tokenizer.added_text:
+        return encode_plain(text)
+    ids = []
+    for i, piece in enumerate(_special_regex(tokenizer.added_text, capture=True).split(text)):
+        if i % 2:
+            ids.append(tokenizer.special_tokens[piece])
+        elif piece:
+            ids.extend(encode_plain(piece))
     return ids
 
 

@@ -132,3 +132,22 @@ def test_the_generation_configs_end_tokens_are_stops_too(folder, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}), encoding="utf-8")
     assert ChatTemplate.from_hf(tmp_path, tokenizer).stops == ("<|im_end|>", "<|endoftext|>")
     assert ChatTemplate.from_hf(tmp_path).stops == ("<|im_end|>",)  # without the tokenizer: the names alone
+
+
+def test_added_text_in_a_message_is_not_refused(folder):
+    """Qwen3's <think> is an added token but not a special one: a client that sends back the model's own
+    reasoning gets the ids transformers gives it."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nhmm</think>\nHello."},
+                {"role": "user", "content": "Again"}]
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    expected = reference.apply_chat_template(messages, chat_template=CHATML, tokenize=True, add_generation_prompt=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert ChatTemplate.from_hf(folder).encode(messages, tokenizer_from_hf(folder)) == expected
+
+
+def test_a_generation_block_renders_what_it_holds(tmp_path):
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}", encoding="utf-8")
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert ChatTemplate.from_hf(tmp_path).render(messages) == "q[a]"

@@ -22,12 +22,13 @@ from llmscratch.weights import load_model_and_tokenizer, save_hf
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXT_TOKENS = ["<think>", "</think>"]  # as Qwen3's: added tokens that are not special
 TEXTS = [
     "Call me Ishmael. Some years ago--never mind how long precisely--having little or no money in my purse,",
     "DON'T SHOUT, it's 2026: 3.14159 + 1234567 = ?\n\n\n  \tindented\r\n",
     "ünïcödé 中文 日本語 한국어 😀👩‍👩‍👧 café (NFC) and cafe\u0301 (NFD)",
     "def f(x):\n    return {'a': [1, 2]}  # code\n",
-    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm</think>\nSo.",
     "   leading and trailing spaces   ", "", "\u00a0\u2028\x00\x7f",
 ]
 
@@ -47,6 +48,7 @@ def trained(pre_tokenizer, normalizer=None, vocab_size=700) -> Tokenizer:
                                   show_progress=False)
     tokenizer.train_from_iterator(training_text(), trainer)
     tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.add_tokens(TEXT_TOKENS)  # added, not special: text, matched wherever it is written
     return tokenizer
 
 
@@ -122,12 +124,34 @@ def test_the_layouts_take_both_paths_and_keep_their_choices(tmp_path):
     assert (qwen.normalization, qwen.whole_chunks, qwen.bos_id) == ("NFC", False, None)
     assert (llama3.normalization, llama3.whole_chunks, llama3.bos_id) == (None, True, 701)
     assert qwen.merges == llama3.merges  # the merge list read as it is, and recovered from the ranks
-    assert qwen.special_tokens == {token: 700 + i for i, token in enumerate(SPECIALS)}
+    assert qwen.special_tokens == {token: 700 + i for i, token in enumerate(SPECIALS + TEXT_TOKENS)}
     assert qwen.eot_token == 700
     again = BPETokenizer.from_json(qwen.to_json())  # our own file keeps both choices
     assert (again.normalization, again.whole_chunks, again.merges) == ("NFC", False, qwen.merges)
     assert again.encode("cafe\u0301") == qwen.encode("caf\u00e9")
     assert BPETokenizer.from_json(llama3.to_json()).bos_token == SPECIALS[1]
+
+
+def test_added_text_is_itself_wherever_it_is_written_and_special_tokens_only_where_allowed(pair, tmp_path):
+    reference, ours = pair
+    text = "a<think>b</think> <|im_end|>"
+    expected = reference.encode(text, add_special_tokens=False).ids
+    assert ours.encode(text, allowed_special="all") == expected
+    with pytest.raises(ValueError, match="special token '<\\|im_end\\|>'"):  # <think> is no reason to refuse
+        ours.encode(text)
+    as_text = ours.encode(text, disallowed_special=())
+    assert as_text[: len(expected) - 1] == expected[:-1] and as_text[-1] != expected[-1]  # <|im_end|> as text
+    assert ours.added_text == {"<think>", "</think>"}
+
+
+def test_the_folders_eos_token_ends_a_text(tmp_path):
+    folder = _saved(qwen_style(), tmp_path / "qwen3")
+    assert tokenizer_from_hf(folder).eot_token == 700  # <|endoftext|>
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}),
+                                                  encoding="utf-8")
+    tokenizer = tokenizer_from_hf(folder)
+    assert tokenizer.eot_token == 702 and BPETokenizer.from_json(tokenizer.to_json()).eot_token == 702
+    assert BPETokenizer.from_json(tokenizer.to_json()).added_text == {"<think>", "</think>"}
 
 
 def test_the_byte_alphabet_is_gpt2s():
@@ -157,6 +181,7 @@ def _edited(tmp_path, edit) -> object:
     (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "pre-tokenizer ['Whitespace'] is not supported"),
     (lambda d: d["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True), "adds a prefix space"),
     (lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"), "Split pre-tokenizer"),
+    (lambda d: d["pre_tokenizer"]["pretokenizers"][1].pop("use_regex"), "Split pre-tokenizer"),  # true by default
     (lambda d: d.update(normalizer={"type": "Lowercase"}), "normalizer ['Lowercase'] is not supported"),
     (lambda d: d["added_tokens"][0].update(id=5), "added tokens' ids"),
     (lambda d: d["model"]["vocab"].update({"\u4e2d": 9999}), "stands for no byte"),
@@ -175,7 +200,7 @@ def test_a_hugging_face_folder_loads_with_its_own_tokenizer(tmp_path):
                                    n_heads=2, n_kv_heads=1, head_size=16, d_ff=64)
     save_hf(GPT(config), folder)
     model, tokenizer = load_model_and_tokenizer(folder)
-    assert tokenizer.vocab_size == 703 and tokenizer.normalization == "NFC"
+    assert tokenizer.vocab_size == 705 and tokenizer.normalization == "NFC"
     assert model.config.vocab_size == 768
     (folder / "tokenizer.json").rename(tmp_path / "elsewhere.json")  # given with --tokenizer instead
     with pytest.raises(ValueError, match="no tokenizer.json"):
@@ -219,7 +244,7 @@ def gemma_folder(folder):
     byte fallback and decoder): <pad> <eos> <bos> <unk>, the 256 byte tokens, then pieces over characters
     learned from Moby-Dick with only 60 characters kept (the rest fall back to bytes), two turn markers
     added; the post-processor puts <bos> first, as Gemma's does."""
-    from tokenizers import Tokenizer, models, trainers
+    from tokenizers import AddedToken, Tokenizer, models, trainers
     from transformers import GemmaTokenizer
 
     text = read_moby_dick()[:50_000].replace(" ", "\u2581")
@@ -234,6 +259,9 @@ def gemma_folder(folder):
     merges = [tuple(merge) for merge in document["model"]["merges"]]
     tokenizer = GemmaTokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    # As Gemma's runs of spaces and HTML tags: added, not special, matched as written (as transformers' converter
+    # adds SentencePiece's user-defined pieces)
+    tokenizer.add_tokens([AddedToken(text, normalized=False, special=False) for text in ("  ", "<h1>")])
     tokenizer.save_pretrained(str(folder))
     saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     saved["post_processor"] = {"type": "TemplateProcessing",
@@ -271,7 +299,8 @@ def test_gemma_keeps_its_roles_and_its_file(gemma, tmp_path):
     _, ours = gemma
     assert isinstance(ours, SentencePieceBPE)
     assert (ours.eot_token, ours.bos_id, ours.special_tokens["<end_of_turn>"]) == (1, 2, 762)
-    assert ours.vocab_size == 763 and len(ours.encode("\u00e9\u00e9\u00e9")) > 3  # é is no piece: its bytes
+    assert ours.vocab_size == 765 and len(ours.encode("\u00e9\u00e9\u00e9")) > 3  # é is no piece: its bytes
+    assert ours.encode("x  <h1>y") == ours.encode("x") + [763, 764] + ours.encode("y")  # added text: itself
     with pytest.raises(ValueError, match="special token '<end_of_turn>'"):
         ours.encode("<end_of_turn>")
     ours.save(tmp_path / "gemma.json")  # as a checkpoint keeps it
@@ -279,6 +308,15 @@ def test_gemma_keeps_its_roles_and_its_file(gemma, tmp_path):
     text = TEXTS[2] + "<end_of_turn>"
     assert again.encode(text, allowed_special="all") == ours.encode(text, allowed_special="all")
     assert (again.eot_token, again.bos_id) == (1, 2)
+
+
+def test_an_added_token_matched_after_gemmas_normalizer_is_named(tmp_path):
+    folder = gemma_folder(tmp_path)
+    saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    next(entry for entry in saved["added_tokens"] if entry["content"] == "  ")["normalized"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(ValueError, match="the added token '  ' is matched after normalization, as '\u2581\u2581'"):
+        tokenizer_from_hf(folder)
 
 
 def test_a_llama2_style_normalizer_is_named(tmp_path):
@@ -310,3 +348,13 @@ def test_a_gemma_folder_loads_with_its_tokenizer_and_prompts_start_with_bos(tmp_
     lengths = token_byte_lengths(tokenizer, 800)
     assert lengths[2] == 0 and lengths[4] == 1 and lengths[tokenizer.encode("Call")[0]] == len(
         tokenizer.decode(tokenizer.encode("Call")[:1]).encode())
+
+
+@pytest.mark.parametrize("fuse_unk", [True, False])
+def test_unknowns_fuse_as_asked_and_a_merge_listed_twice_takes_its_later_rank(fuse_unk):
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "c": 3, "ab": 4, "bc": 5, "abc": 6}
+    merges = [("a", "b"), ("b", "c"), ("a", "b")]
+    reference = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=fuse_unk, byte_fallback=True))
+    ours = SentencePieceBPE(vocab, merges, {"<unk>": 0}, unk_token="<unk>", fuse_unk=fuse_unk)
+    for text in ("abc", "xyzab", "cxab"):
+        assert ours.encode(text) == reference.encode(text).ids, text
