@@ -48,8 +48,10 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     byte-level BPE, a ``SentencePieceBPE`` for Gemma's.
 
     Token for token what the ``tokenizers`` library encodes with ``add_special_tokens=False`` (tests/
-    test_hf_tokenizer.py); the BOS a post-processor adds (Llama 3's, Gemma's) is its ``bos_id``. Added tokens become
-    special tokens (encoded as such only where ``encode`` allows them, as for any of ours).
+    test_hf_tokenizer.py); the BOS a post-processor adds (Llama 3's, Gemma's) is its ``bos_id``, and the
+    eos_token of tokenizer_config.json beside it its ``eot_token``. Added tokens marked special become special
+    tokens (encoded as such only where ``encode`` allows them, as for any of ours); the others are
+    ``added_text``, encoded as themselves wherever they are written.
     """
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
