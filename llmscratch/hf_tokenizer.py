@@ -80,6 +80,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
                    normalization=normalization,
                    whole_chunks=bool(model.get("ignore_merges")), bos_token=_first_special(data),
                    eos_token=_config_token(file, "eos_token", added), added_text=added_text)
+    merges = _merge_pairs(merges, file)
     listed = _merges_in_id_order(regular, merges, vocab)
     if listed is not None:  # the merge list makes ids 256, 257, ... in order: read as it is
         byte_order, pairs = listed
@@ -88,7 +89,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     # by the id of what it makes, so an earlier merge is one that makes a smaller id, as in tiktoken's BPE, and
     # the merges are recovered from the ranks. (Two merges that make the same token: the list's order picks one,
     # ours the leftmost in the text. They give the same token; only the split of the rest could differ.)
-    made = [vocab.get("".join(merge.split(" ") if isinstance(merge, str) else merge)) for merge in merges]
+    made = [vocab.get(left + right) for left, right in merges]
     in_rank_order = None not in made and all(a <= b for a, b in zip(made, made[1:]))
     try:
         if not in_rank_order:
@@ -151,15 +152,22 @@ def _normalization(normalizer: dict | None, file: Path) -> str | None:
     raise ValueError(f"{file}: the normalizer {kinds} is not supported; one of {NORMALIZATIONS} or none is")
 
 
-def _merges_in_id_order(regular: dict[bytes, int], merges: list, vocab: dict[str, int]
+def _merge_pairs(merges: list, file: Path) -> list[tuple[str, str]]:
+    """The merge list as (left, right) pairs, whether written "a b" or ["a", "b"]."""
+    pairs = [tuple(merge.split(" ") if isinstance(merge, str) else merge) for merge in merges]
+    if bad := next((merge for merge in pairs if len(merge) != 2), None):
+        raise ValueError(f"{file}: each merge must be two tokens, got {bad}")
+    return pairs
+
+
+def _merges_in_id_order(regular: dict[bytes, int], merges: list[tuple[str, str]], vocab: dict[str, int]
                         ) -> tuple[list[int], list[tuple[int, int]]] | None:
     """(byte order, merges as id pairs) when ids 0-255 are the bytes and merge i makes id 256 + i; else None."""
     by_id = sorted(regular, key=regular.get)
     if len(merges) != len(by_id) - 256 or any(len(token) != 1 for token in by_id[:256]):
         return None
     pairs = []
-    for index, merge in enumerate(merges):
-        left, right = merge.split(" ") if isinstance(merge, str) else merge  # "a b" or ["a", "b"]
+    for index, (left, right) in enumerate(merges):
         ids = vocab.get(left), vocab.get(right), vocab.get(left + right)
         if ids[2] != 256 + index or None in ids:
             return None
@@ -217,9 +225,7 @@ def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
                          f"not with {pre_tokenizer.get('type')}")
     if model.get("ignore_merges"):
         raise ValueError(f"{file}: ignore_merges with byte fallback is not supported")
-    merges = [tuple(merge.split(" ") if isinstance(merge, str) else merge) for merge in model.get("merges") or []]
-    if any(len(merge) != 2 for merge in merges):
-        raise ValueError(f"{file}: each merge must be two tokens")
+    merges = _merge_pairs(model.get("merges") or [], file)
     added, added_text = _added_tokens(data, file, lambda text: text.replace(" ", SPACE))
     return SentencePieceBPE(model["vocab"], merges, added, model.get("unk_token"),
                             _config_token(file, "eos_token", {**model["vocab"], **added}), _first_special(data),
