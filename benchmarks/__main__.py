@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import today
-from llmscratch.atomic import write_text_atomically
+from llmscratch.files import write_text_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"

@@ -1,4 +1,4 @@
-"""Knowledge distillation (llmscratch.distill): distilled students against the same students from scratch.
+"""Knowledge distillation (llmscratch.deployment.distill): distilled students against the same students from scratch.
 
     python -m benchmarks.bench_distill                 # 3 seeds: about 13 minutes on 2 idle cores (estimated)
     python -m benchmarks.bench_distill --seeds 5 --save-student runs/draft
@@ -23,16 +23,21 @@ import torch
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, set_threads, today
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.atomic import write_json_atomically
-from llmscratch.checkpoint import export_model, model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.distill import (
-    DistillConfig, DistillationTrainer, student_config, teacher_agreement, text_splits, train_student,
+from llmscratch.deployment.distill import (
+    DistillationTrainer,
+    DistillConfig,
+    student_config,
+    teacher_agreement,
+    text_splits,
+    train_student,
 )
-from llmscratch.evaluation import evaluate, token_byte_lengths
-from llmscratch.model import GPT
+from llmscratch.files import write_json_atomically
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import time_steps
 from llmscratch.runfolder import file_problem, folder_problem
-from llmscratch.train import TrainConfig
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.evaluation import evaluate, token_byte_lengths
 
 ARMS = ("distilled", "scratch, same steps", "scratch, same time")
 TEST_SHAPE = {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "context_length": 32}

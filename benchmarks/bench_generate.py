@@ -28,14 +28,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 
 import transformers  # noqa: E402
 
-from benchmarks.common import (add_threads_flag, device_flag, device_name, load_average,  # noqa: E402
-                               machine_description, median, set_threads, today)
-from llmscratch.atomic import write_json_atomically  # noqa: E402
-from llmscratch.decode_kernels import one_row_linear  # noqa: E402
-from llmscratch.generate import generate  # noqa: E402
-from llmscratch.model import GPT  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_threads_flag,
+    device_flag,
+    device_name,
+    load_average,
+    machine_description,
+    median,
+    set_threads,
+    today,
+)
+from llmscratch.files import write_json_atomically  # noqa: E402
+from llmscratch.model.decode_kernels import one_row_linear  # noqa: E402
+from llmscratch.model.generate import generate  # noqa: E402
+from llmscratch.model.gpt import GPT  # noqa: E402
+from llmscratch.model.weights import load_hf  # noqa: E402
 from llmscratch.profiling import time_once  # noqa: E402
-from llmscratch.weights import load_hf  # noqa: E402
 
 LABELS = {
     "transformers": "transformers {version} `generate` (DynamicCache, SDPA), fp32",
@@ -303,7 +311,7 @@ def report_kernels(kernel_rates: dict[str, float], compiled_rate: float | None, 
         how = " with CUDA graphs" if compiled == "compiled-cuda-graphs" else ""
         own = kernel_rates.get("fp32 multiply-sum, compiled")
         mine = (f"; {compiled_rate / own:.0%} of the rate of the same products computed as it computes them, "
-                f"a compiled multiply-sum per matrix (llmscratch/decode_kernels.py)" if own else "")
+                f"a compiled multiply-sum per matrix (llmscratch/model/decode_kernels.py)" if own else "")
         print(f"\nCompiled decoding{how}, fp32: {compiled_rate / kernel_rates['fp32 F.linear']:.0%} of "
               f"the rate of the fp32 matrix-vector products alone by `F.linear` (below; target where the floor is "
               f"out of their reach: at least 90%){mine}.")

@@ -18,14 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
-from llmscratch.checkpoint import (
-    check_weights,
-    export_model,
-    load_checkpoint,
-    read_safetensors,
-    save_checkpoint,
-)
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.files import check_weights, read_safetensors
+from llmscratch.model.checkpoint import export_model, load_checkpoint, save_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import round_robin, time_once
 
 

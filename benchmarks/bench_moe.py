@@ -21,9 +21,9 @@ import torch
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
 from benchmarks.pretrain_quality import pretrain_script
-from llmscratch.atomic import write_text_atomically
-from llmscratch.generate import generate
-from llmscratch.model import GPT
+from llmscratch.files import write_text_atomically
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import round_robin, time_once
 
 CANDIDATES = {  # name: pretrain.py flags

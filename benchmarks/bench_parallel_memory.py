@@ -3,13 +3,13 @@
     python -m benchmarks.bench_parallel_memory                 # llama-small, 4 processes (gloo), batch 4 x 256
     python -m benchmarks.bench_parallel_memory --processes 2 --preset llama-mini
 
-Each strategy runs in fresh processes (the Trainer of ``llmscratch.train``, float32): one optimizer
+Each strategy runs in fresh processes (the Trainer of ``llmscratch.training.train``, float32): one optimizer
 step (so AdamW's state exists), then one more forward and backward (so gradients exist). Per rank it
 records the bytes of its own parameters, gradients and AdamW moments (``parallel.local_bytes``: a
 DTensor's local shard), the bytes autograd saved for backward in that forward (each storage once; the
 weights FSDP gathers for a moment are freed again by then and count 0), and the growth of the
 process's peak resident memory since before the model was built (everything: gathered weights,
-communication buffers, the allocator's slack). Next to them, what ``python -m llmscratch.memory``
+communication buffers, the allocator's slack). Next to them, what ``python -m llmscratch.training.memory``
 plans for that rank. Prints a Markdown section.
 """
 
@@ -24,13 +24,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import machine_description, today
-from llmscratch.distributed import DistInfo
-from llmscratch.memory import format_bytes, plan
-from llmscratch.model import PRESETS, GPT, GPTConfig
-from llmscratch.parallel import local_bytes
+from llmscratch.model.config import PRESETS, GPTConfig
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import peak_memory_bytes
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.train import TrainConfig, Trainer
+from llmscratch.text.tokenizer import BPETokenizer
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.distributed import DistInfo
+from llmscratch.training.memory import format_bytes, plan
+from llmscratch.training.parallel import local_bytes
+from llmscratch.training.train import Trainer
 
 STRATEGIES = ("ddp", "fsdp", "tp", "fsdp+tp")
 
@@ -109,7 +111,7 @@ def section(args: argparse.Namespace) -> str:
              f"{args.context_length} tokens per rank.", "",
              "Measured per rank: its own parameters, gradients and AdamW moments (a DTensor's local shard), the "
              "bytes autograd saved in one forward, and the peak a whole step allocated above the resting state "
-             "(PyTorch's CPU allocations replayed from the profiler). Planned: `python -m llmscratch.memory` for "
+             "(PyTorch's CPU allocations replayed from the profiler). Planned: `python -m llmscratch.training.memory` for "
              "that rank (its optimizer column also counts AdamW's step counters; its activations add the loss's "
              "chunk buffers; its buffers are what FSDP gathers or DDP buckets).", "",
              "| strategy | dp x tp | rank | parameters | gradients | AdamW | saved activations | step peak "

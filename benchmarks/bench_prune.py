@@ -1,4 +1,4 @@
-"""Pruning (llmscratch.prune) of the bundled model: what it costs in bits per byte, and what it buys in speed.
+"""Pruning (llmscratch.deployment.prune) of the bundled model: what it costs in bits per byte, and what it buys in speed.
 
     python -m benchmarks.bench_prune            # from the repository root; prints a Markdown section
     python -m benchmarks.bench_prune --quick    # a quarter of the held-out text, 20 recovery steps, 2 rounds
@@ -18,13 +18,13 @@ import torch
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.data import RandomWindowBatches, split_text
-from llmscratch.evaluation import evaluate, token_byte_lengths
-from llmscratch.generate import generate
-from llmscratch.model import GPT
+from llmscratch.deployment.prune import importance, least_important, magnitude_prune, prune_structured, recover
+from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import round_robin, time_once
-from llmscratch.prune import importance, least_important, magnitude_prune, prune_structured, recover
+from llmscratch.text.data import RandomWindowBatches, split_text
+from llmscratch.training.evaluation import evaluate, token_byte_lengths
 
 SPARSITIES = [i / 10 for i in range(10)]
 FRACTIONS = (0.25, 0.5)  # of each block's key/value groups and of its MLP neurons

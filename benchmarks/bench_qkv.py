@@ -24,11 +24,12 @@ from torch import nn
 
 from benchmarks.bench_train import SHAPES, build, make_step
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
-from llmscratch.attention import KVCache, MultiHeadAttention, fused_attention, positions_mask
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.model.attention import KVCache, MultiHeadAttention, fused_attention, positions_mask
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
+from llmscratch.model.rope import RotaryEmbedding
 from llmscratch.profiling import time_once
-from llmscratch.rope import RotaryEmbedding
 
 VARIANTS = ("fused", "separate")
 

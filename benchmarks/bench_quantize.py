@@ -1,4 +1,4 @@
-"""Weight-only quantization (llmscratch.quantize): what it costs in quality, and what it buys in decoding speed.
+"""Weight-only quantization (llmscratch.model.quantize): what it costs in quality, and what it buys in decoding speed.
 
     python -m benchmarks.bench_quantize                 # from the repository root; prints a Markdown section
     python -m benchmarks.bench_quantize --quick         # a quarter of the held-out text, fewer tokens and rounds
@@ -28,16 +28,24 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
+from llmscratch.alignment.report import held_out_moby_dick
 from llmscratch.assets import PRETRAINED_PATH
-from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch import generate as generate_module
-from llmscratch.evaluation import evaluate, token_byte_lengths
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.model import generate as generate_module
+from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
+from llmscratch.model.quantize import (
+    QuantizedLinear,
+    dequantize_int8,
+    native_word_product,
+    quantize,
+    quantize_int8,
+    to_word_order,
+    word_product,
+)
 from llmscratch.profiling import round_robin, time_once
-from llmscratch.quantize import (QuantizedLinear, dequantize_int8, native_word_product, quantize, quantize_int8,
-                                 to_word_order, word_product)
-from llmscratch.report import held_out_moby_dick
+from llmscratch.training.evaluation import evaluate, token_byte_lengths
 
 SCHEMES = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
 PROMPT_TOKENS = 32

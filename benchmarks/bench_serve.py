@@ -4,7 +4,7 @@
     python -m benchmarks.bench_serve --models base --rounds 5
     python -m benchmarks serve                             # the same, and RESULTS.md's section replaced
 
-The server (``llmscratch.server.create_app`` over an ``llmscratch.engine.Engine`` of 16 slots,
+The server (``llmscratch.deployment.server.create_app`` over an ``llmscratch.deployment.engine.Engine`` of 16 slots,
 uvicorn, 127.0.0.1 only) runs in a subprocess of its own, started here for each model and killed
 at the end, so that the clients' Python never shares its interpreter lock. The clients are
 asyncio tasks in this process, on httpx, each streaming ``POST /v1/completions``
@@ -20,7 +20,7 @@ tokenizer of ``BPETokenizer.gpt2()``) with random weights seeded alike in the se
 a model whose decode step reads its 0.5 GB of weights from memory.
 
 In the same rounds, in this process while the server is idle, with the server's torch threads:
-``llmscratch.generate.generate`` alone (batch 1, KV cache, eager, greedy) on the one client's
+``llmscratch.model.generate.generate`` alone (batch 1, KV cache, eager, greedy) on the one client's
 prompts and token counts, the baseline of the server's single stream (target: at least 90% of
 it); and the same engine driven directly (``Engine.submit``, no HTTP), 1 and 16 streams, which
 says how much of the gap between them is the HTTP/SSE layer and how much the engine's step.
@@ -46,7 +46,7 @@ import psutil
 import torch
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
-from llmscratch.engine import BATCH_SHAPES
+from llmscratch.deployment.engine import BATCH_SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 4, 16)
@@ -70,12 +70,13 @@ def build(name: str):
     """(model in eval mode, float32; tokenizer) for a name of MODELS."""
     if name == "base":
         from llmscratch.cli import DEFAULT_MODELS
-        from llmscratch.weights import load_model_and_tokenizer
+        from llmscratch.model.weights import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(DEFAULT_MODELS["base"][0])
         return model.float().eval(), tokenizer
-    from llmscratch.model import GPT, GPTConfig
-    from llmscratch.tokenizer import BPETokenizer
+    from llmscratch.model.config import GPTConfig
+    from llmscratch.model.gpt import GPT
+    from llmscratch.text.tokenizer import BPETokenizer
 
     torch.manual_seed(0)  # the same random weights in the server and in this process
     return GPT(GPTConfig.from_preset("gpt2-small")).eval(), BPETokenizer.gpt2()
@@ -85,8 +86,8 @@ def serve(name: str, port: int, batch_shape: str) -> None:
     """The hidden --serve mode: the server of one model on 127.0.0.1:port until killed."""
     import uvicorn
 
-    from llmscratch.engine import Engine
-    from llmscratch.server import create_app
+    from llmscratch.deployment.engine import Engine
+    from llmscratch.deployment.server import create_app
 
     parent = os.getppid()
 
@@ -234,7 +235,7 @@ async def load(client: httpx.AsyncClient, model: str, clients: int, requests: in
 # --------------------------------------------------------------------------- the same work without the server
 def generate_alone(model, prompt_ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """Seconds to generate max_tokens greedily after each prompt in turn, batch 1; the new ids of each."""
-    from llmscratch.generate import generate
+    from llmscratch.model.generate import generate
 
     outputs = []
     start = time.perf_counter()
@@ -246,7 +247,7 @@ def generate_alone(model, prompt_ids: list[list[int]], max_tokens: int) -> tuple
 def engine_direct(engine, prompt_ids: list[list[int]], clients: int, requests: int,
                   max_tokens: int) -> tuple[float, int]:
     """The load of ``load`` submitted straight to the engine (no HTTP): (wall seconds, completion tokens)."""
-    from llmscratch.engine import SamplingParams
+    from llmscratch.deployment.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens)
     done, lock = threading.Event(), threading.Lock()
@@ -281,7 +282,7 @@ def engine_direct(engine, prompt_ids: list[list[int]], clients: int, requests: i
 # --------------------------------------------------------------------------- one model
 async def measure(name: str, args) -> dict:
     """Every measurement of one model, interleaved over args.rounds rounds."""
-    from llmscratch.engine import Engine
+    from llmscratch.deployment.engine import Engine
 
     settings = MODELS[name]
     max_tokens, requests = args.max_tokens or settings["max_tokens"], args.requests or settings["requests"]
@@ -401,7 +402,7 @@ def main() -> None:
                         help="requests each client sends a round (default: " + ", ".join(
                             f"{name} {s['requests']}" for name, s in MODELS.items()) + ")")
     parser.add_argument("--batch-shape", choices=BATCH_SHAPES, default="occupied",
-                        help="the engine's batch shape (llmscratch.engine.Engine; default occupied)")
+                        help="the engine's batch shape (llmscratch.deployment.engine.Engine; default occupied)")
     parser.add_argument("--serve", choices=list(MODELS), default=None, help=argparse.SUPPRESS)  # the server's side
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     add_threads_flag(parser)

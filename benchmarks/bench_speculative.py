@@ -10,7 +10,7 @@ of the target's design and tokenizer trained here on the first 90% of Moby-Dick.
 held-out last 10%. Both ways decode greedily, batch 1, with KV caches, eagerly (no torch.compile for either);
 the speculative tokens are asserted identical to the target's alone. Interleaved rounds, medians.
 
-Then the cost model of ``llmscratch.speculative``: a draft step's time over a target step's (c) and a
+Then the cost model of ``llmscratch.deployment.speculative``: a draft step's time over a target step's (c) and a
 (k+1)-token target forward over a one-token one (v), measured, give a predicted speed-up set beside the
 measured one; the same c and v timed for a gpt2-small-shaped target (random weights) say whether 1.3x is
 within reach at that size, at the acceptance measured here.
@@ -27,16 +27,21 @@ from tqdm import tqdm
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.data import RandomWindowBatches, split_text
-from llmscratch.evaluation import evaluate, token_byte_lengths
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.optim import OptimizerStep
+from llmscratch.deployment.speculative import (
+    SpeculativeStats,
+    expected_tokens_per_round,
+    predicted_speedup,
+    speculative_generate,
+)
+from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import round_robin, time_once
-from llmscratch.speculative import (SpeculativeStats, expected_tokens_per_round, predicted_speedup,
-                                    speculative_generate)
-from llmscratch.train import TrainConfig
+from llmscratch.text.data import RandomWindowBatches, split_text
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.evaluation import evaluate, token_byte_lengths
+from llmscratch.training.optim import OptimizerStep
 
 DRAFT_SHAPE = dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=384, context_length=128)
 GOAL = 1.3  # the speed-up asked of speculative decoding (issue 31)
@@ -233,7 +238,7 @@ def report(args, target, draft, draft_source, quality, seconds, stats, costs, gp
     print(f"\nCost model inputs (cached forwards at position {args.prompt_tokens + args.new_tokens // 2}, medians): "
           f"a target step {costs['target 1'] * 1e3:.2f} ms, a draft step {costs['draft 1'] * 1e3:.2f} ms, so "
           f"c = {c:.3f}; v = the (k+1)-token target forward over the one-token one. The predicted speed-up is "
-          f"(1 - a^(k+1)) / (1 - a) / (k c + v) (`llmscratch.speculative.predicted_speedup`), a from the rounds "
+          f"(1 - a^(k+1)) / (1 - a) / (k c + v) (`llmscratch.deployment.speculative.predicted_speedup`), a from the rounds "
           f"above; what it leaves out (the sampling and bookkeeping between forwards, the prefill, a round's "
           f"first draft forward of 2 tokens after a round that kept every guess) is the gap to the measured one.\n")
     gpt2_c = gpt2_costs["draft 1"] / gpt2_costs["target 1"]

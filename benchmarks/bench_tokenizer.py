@@ -16,7 +16,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from benchmarks.common import machine_description, median, today
 from llmscratch.assets import read_moby_dick
 from llmscratch.profiling import round_robin, time_once
-from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, load_gpt2_ranks
+from llmscratch.text.tokenizer import ENDOFTEXT, BPETokenizer, load_gpt2_ranks
 
 LONG_CHUNK_BYTES = 1_000_000
 

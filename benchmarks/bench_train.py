@@ -6,7 +6,7 @@
 
 For each configuration and mode, llmscratch's GPT and transformers' GPT2LMHeadModel (SDPA attention,
 random weights, built offline) of the same shape train on the same random batch with the same
-AdamW (``llmscratch.train.configure_optimizer``). Each takes its normal path to the loss: ours
+AdamW (``llmscratch.training.optim.configure_optimizer``). Each takes its normal path to the loss: ours
 ``GPT(idx, targets=...)``, theirs ``GPT2LMHeadModel(input_ids, labels=...)``. They run in
 interleaved rounds in one process, so a busy spell of a shared machine hits both; medians are
 reported. Tokens/s counts real tokens (batch x context); MFU divides the model's FLOPs (6 per
@@ -31,14 +31,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 import transformers  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    add_threads_flag, device_flag, device_name, load_average, machine_description, median, set_threads, today,
+    add_threads_flag,
+    device_flag,
+    device_name,
+    load_average,
+    machine_description,
+    median,
+    set_threads,
+    today,
 )
-from llmscratch.atomic import write_json_atomically  # noqa: E402
 from llmscratch.device import autocast  # noqa: E402
-from llmscratch.flops import gpu_peak_flops, measure_matmul_flops  # noqa: E402
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
+from llmscratch.files import write_json_atomically  # noqa: E402
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import peak_memory_bytes, round_robin, time_once  # noqa: E402
-from llmscratch.train import TrainConfig, configure_optimizer  # noqa: E402
+from llmscratch.training.config import TrainConfig  # noqa: E402
+from llmscratch.training.flops import gpu_peak_flops, measure_matmul_flops  # noqa: E402
+from llmscratch.training.optim import configure_optimizer
 
 
 @dataclass(frozen=True)

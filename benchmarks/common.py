@@ -12,8 +12,7 @@ import statistics
 
 import torch
 
-from llmscratch.device import resolve_device
-from llmscratch.flops import cpu_model
+from llmscratch.device import cpu_model, resolve_device
 
 __all__ = ["add_threads_flag", "device_flag", "device_name", "load_average", "machine_description", "median",
            "set_threads", "today"]

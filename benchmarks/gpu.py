@@ -291,7 +291,7 @@ SUMMARIES: dict[str, Callable[[dict], str]] = {
 def write_report(out: Path, facts: dict, parts: list[Part], outcomes: dict, dry_run: bool, wall: float,
                  log: list[str]) -> str:
     """gpu_report.md, gpu_report.json and gpu_log.txt in ``out``; returns the Markdown."""
-    from llmscratch.atomic import write_json_atomically, write_text_atomically
+    from llmscratch.files import write_json_atomically, write_text_atomically
 
     out.mkdir(parents=True, exist_ok=True)
     device = f"{facts['gpu']}, {facts['gpu_memory_gib']} GiB" if facts["gpu"] else "no CUDA GPU"

@@ -2,12 +2,12 @@
 
     torchrun --standalone --nproc_per_node 1 -m benchmarks.gpu_memory --parallel fsdp --json memory.json
 
-Each process builds the model as pretrain.py does, trains one step with the ``llmscratch.train`` Trainer (so
+Each process builds the model as pretrain.py does, trains one step with the ``llmscratch.training.train`` Trainer (so
 AdamW's state exists), then a second step with the allocator's peak reset before it. On CUDA the measured
 peak is ``torch.cuda.max_memory_allocated`` over that step (everything the process holds: weights,
 gradients, AdamW, activations, buffers); on a CPU (a check that the script runs) it is the bytes of the
 parameters, gradients and AdamW moments plus the step's peak above them (``profiling.peak_memory_bytes``).
-Beside it, ``llmscratch.memory.plan`` for that rank. Rank 0 writes the JSON; every rank prints its line.
+Beside it, ``llmscratch.training.memory.plan`` for that rank. Rank 0 writes the JSON; every rank prints its line.
 """
 
 import argparse
@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_parallel_memory import stepped_trainer
-from llmscratch import distributed
-from llmscratch.atomic import write_json_atomically
-from llmscratch.memory import plan
-from llmscratch.model import PRESETS, GPTConfig
-from llmscratch.parallel import local_bytes
+from llmscratch.files import write_json_atomically
+from llmscratch.model.config import PRESETS, GPTConfig
 from llmscratch.profiling import device_description, peak_memory_bytes
-from llmscratch.train import TrainConfig
+from llmscratch.training import distributed
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.memory import plan
+from llmscratch.training.parallel import local_bytes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,15 +38,17 @@ import torch
 
 from benchmarks.common import add_threads_flag, machine_description, set_threads, today
 from llmscratch.assets import read_moby_dick
-from llmscratch.atomic import write_text_atomically
-from llmscratch.data import split_text
 from llmscratch.device import autocast
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.optim import configure_optimizer
+from llmscratch.files import write_text_atomically
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
 from llmscratch.profiling import round_robin
-from llmscratch.runlog import RunLog
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.train import TrainConfig, Trainer
+from llmscratch.text.data import split_text
+from llmscratch.text.tokenizer import BPETokenizer
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.optim import configure_optimizer
+from llmscratch.training.runlog import RunLog
+from llmscratch.training.train import Trainer
 
 BASELINE_MODEL = dict(vocab_size=256, context_length=64, d_model=128, n_layers=4, n_heads=4, bias=False,
                       qkv_bias=False)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.corpus import read_text_file
-from llmscratch.data import split_text
-from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer, check_special_tokens
+from llmscratch.text.checks import check_special_tokens
+from llmscratch.text.corpus import read_text_file
+from llmscratch.text.data import split_text
+from llmscratch.text.tokenizer import ENDOFTEXT, BPETokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,13 +12,14 @@ import matplotlib
 
 matplotlib.use("Agg")  # a script writes a PNG; it needs no display
 import matplotlib.pyplot as plt
-from matplotlib.ticker import NullLocator
 import torch
+from matplotlib.ticker import NullLocator
 from tqdm import tqdm
 
-from llmscratch.attention import MultiHeadAttention
 from llmscratch.cli import check_out_files, run_script
 from llmscratch.device import DTYPES, choose_dtype, resolve_device
+from llmscratch.model.attention import MultiHeadAttention
+from llmscratch.model.rope import RotaryEmbedding
 from llmscratch.profiling import (
     backward_step,
     device_description,
@@ -27,7 +28,6 @@ from llmscratch.profiling import (
     sdpa_kernels,
     time_steps,
 )
-from llmscratch.rope import RotaryEmbedding
 
 VARIANTS = ("explicit", "fused", "compiled")
 

@@ -6,7 +6,7 @@
 The text streams to the terminal as it is generated. Our checkpoints (the ``model.safetensors``
 export or the ``checkpoint.pt`` that ch04-pretraining/pretrain.py writes, or the run folder holding
 them) carry their tokenizer; a Hugging Face folder (``config.json`` + ``model.safetensors``) uses its
-``tokenizer.json`` (Qwen2/Qwen3, Llama 3, GPT-2, Gemma: ``llmscratch.hf_tokenizer``), and one of the GPT-2
+``tokenizer.json`` (Qwen2/Qwen3, Llama 3, GPT-2, Gemma: ``llmscratch.text.hf_tokenizer``), and one of the GPT-2
 family without it GPT-2's vocabulary, which ships with llmscratch. Other vocabularies: pass ``--tokenizer`` (a JSON
 file saved by chapter 1's script).
 """
@@ -19,8 +19,8 @@ import torch
 
 from llmscratch.cli import run_script
 from llmscratch.device import DTYPES, resolve_device
-from llmscratch.generate import stream_text
-from llmscratch.weights import load_model_and_tokenizer  # every model source the course writes, one loader
+from llmscratch.model.generate import stream_text
+from llmscratch.model.weights import load_model_and_tokenizer  # every model source the course writes, one loader
 
 
 def parse_args(argv=None) -> argparse.Namespace:

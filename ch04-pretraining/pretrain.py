@@ -6,7 +6,7 @@
     torchrun --nproc_per_node=8 ch04-pretraining/pretrain.py --data tokens/ --tokenizer gpt2 --preset llama-small
 
 Under torchrun, --parallel fsdp gives each process a shard of the model, --parallel tp a slice of every
-block's heads and MLP, --parallel fsdp+tp --tp N both (llmscratch.parallel).
+block's heads and MLP, --parallel fsdp+tp --tp N both (llmscratch.training.parallel).
 The run folder (--out-dir) receives checkpoint.pt (to resume; a checkpoint/ folder with --parallel
 fsdp, tp or fsdp+tp), model.safetensors (weights, config and tokenizer, for finetuning), tokenizer.json,
 metrics.jsonl, loss.png, summary.json and sample.txt.
@@ -19,13 +19,15 @@ import time
 import traceback
 from pathlib import Path
 
-from llmscratch import distributed
 from llmscratch.assets import MOBY_DICK_PATH
 from llmscratch.cli import HelpFormatter, add_flags, finite_float, refuse
 from llmscratch.device import DTYPES, resolve_device
-from llmscratch.model import PRESETS
-from llmscratch.parallel import mesh_shape
-from llmscratch.pretraining import (
+from llmscratch.model.config import PRESETS
+from llmscratch.runfolder import folder_problem
+from llmscratch.training import distributed
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.parallel import mesh_shape
+from llmscratch.training.pretraining import (
     RUN_FILE,
     build_configs,
     hold_run_folder,
@@ -36,8 +38,7 @@ from llmscratch.pretraining import (
     train_and_export,
     train_config_for,
 )
-from llmscratch.runfolder import folder_problem
-from llmscratch.train import CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, TrainConfig
+from llmscratch.training.train import CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR
 
 # The default run: what the flags of TrainConfig's fields start from (--min-lr's default follows --lr).
 DEFAULTS = TrainConfig(max_steps=800, batch_size=8, lr=2e-3, warmup_steps=50, eval_interval=100, eval_tokens=16384,
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--data", type=Path, nargs="+", default=[MOBY_DICK_PATH], metavar="PATH",
-                   help="UTF-8 text file(s), or one folder of token files made by llmscratch.corpus."
+                   help="UTF-8 text file(s), or one folder of token files made by llmscratch.text.corpus."
                         "prepare_token_files (train.bin, val.bin, meta.json; for corpora too big for "
                         "memory). Default: the bundled Moby-Dick")
     d.add_argument("--val-fraction", type=finite_float, default=0.1,
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "see benchmarks/RESULTS.md)")
     m = p.add_argument_group("model")
     m.add_argument("--preset", default="llama-mini", choices=sorted(PRESETS),
-                   help="model shape from llmscratch.model.PRESETS; the vocabulary size comes from the "
+                   help="model shape from llmscratch.model.config.PRESETS; the vocabulary size comes from the "
                         "tokenizer (default: %(default)s, 5.8M parameters with 4,096 tokens)")
     m.add_argument("--context-length", type=int, default=None,
                    help="tokens per training window (default: the preset's)")
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "weights as the preset's MLP, see --mlp)")
     m.add_argument("--qk-norm", action="store_true", help="RMS-normalise each head's queries and keys (QK-norm)")
     m.add_argument("--experts", type=int, default=None, metavar="N",
-                   help="a mixture of N SwiGLU experts for every MLP (llmscratch.moe); each token goes through "
+                   help="a mixture of N SwiGLU experts for every MLP (llmscratch.model.moe); each token goes through "
                         "--experts-per-token of them, each --d-expert wide (default: the MLP's weights shared out, "
                         "so a token meets as many weights as in the dense model)")
     m.add_argument("--experts-per-token", type=int, default=2, metavar="K", help="the router's top k (with --experts)")

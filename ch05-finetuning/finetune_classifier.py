@@ -6,7 +6,7 @@
 
 The run folder (--out-dir) gets metrics.json (test metrics before and after, per-epoch
 history), training.png (loss and accuracy per epoch), classifier.pt (load it with
-llmscratch.classify.Classifier.load, then .classify(text)) and, with LoRA, adapters.safetensors.
+llmscratch.finetuning.classify.Classifier.load, then .classify(text)) and, with LoRA, adapters.safetensors.
 """
 
 import argparse
@@ -17,16 +17,28 @@ from pathlib import Path
 import torch
 
 from llmscratch.assets import SMS_SPAM_PATH
-from llmscratch.atomic import write_json_atomically
-from llmscratch.classify import (
-    SPAM_LABELS, Classifier, GPTClassifier, classification_loss, evaluate_classifier, make_batches, spam_splits,
+from llmscratch.cli import add_out_dir_flags, run_folder, value_errors_exit
+from llmscratch.files import write_json_atomically
+from llmscratch.finetuning.classify import (
+    SPAM_LABELS,
+    Classifier,
+    GPTClassifier,
+    classification_loss,
+    evaluate_classifier,
+    make_batches,
+    spam_splits,
 )
-from llmscratch.cli import (
-    add_finetune_flags, add_out_dir_flags, check_finetune_flags, finetune_config, run_folder, value_errors_exit,
+from llmscratch.finetuning.config import FinetuneConfig
+from llmscratch.finetuning.finetune import (
+    ADAPTERS_FILE,
+    check_trainable,
+    end_of_text_id,
+    fit,
+    fit_and_save,
+    load_base,
+    set_trainable,
 )
-from llmscratch.finetune import (
-    ADAPTERS_FILE, FinetuneConfig, check_trainable, end_of_text_id, fit, fit_and_save, load_base, set_trainable,
-)
+from llmscratch.finetuning.flags import add_finetune_flags, check_finetune_flags, finetune_config
 from llmscratch.runfolder import save_or_rescue
 
 DEFAULTS = FinetuneConfig(epochs=3, batch_size=8, lr=5e-4, trainable="all", last_k=2)

@@ -9,7 +9,7 @@ input, output, split and optionally family), then answers the test prompts with 
 and the finetuned one. The run folder (--out-dir) gets metrics.json, comparison.md (exact
 match per family, well-formed answers, held-out response loss), answers.jsonl,
 model.safetensors (the finetuned model, LoRA merged, which --base and
-llmscratch.checkpoint.model_from_checkpoint accept) and, with LoRA, adapters.safetensors.
+llmscratch.model.checkpoint.model_from_checkpoint accept) and, with LoRA, adapters.safetensors.
 """
 
 import argparse
@@ -19,20 +19,34 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.alignment.report import held_out_moby_dick, held_out_scores, moby_dick_training_text
 from llmscratch.assets import INSTRUCTIONS_PATH
-from llmscratch.atomic import write_json_atomically, write_text_atomically
-from llmscratch.checkpoint import export_model
-from llmscratch.cli import (
-    add_finetune_flags, add_out_dir_flags, check_finetune_flags, finetune_config, run_folder, value_errors_exit,
+from llmscratch.cli import add_out_dir_flags, run_folder, value_errors_exit
+from llmscratch.files import write_json_atomically, write_text_atomically
+from llmscratch.finetuning.config import FinetuneConfig
+from llmscratch.finetuning.finetune import (
+    ADAPTERS_FILE,
+    check_trainable,
+    end_of_text_id,
+    fit,
+    fit_and_save,
+    load_base,
+    set_trainable,
 )
-from llmscratch.finetune import (
-    ADAPTERS_FILE, FinetuneConfig, check_trainable, end_of_text_id, fit, fit_and_save, load_base, set_trainable,
+from llmscratch.finetuning.flags import add_finetune_flags, check_finetune_flags, finetune_config
+from llmscratch.finetuning.instruct import (
+    MAX_NEW_TOKENS,
+    Replay,
+    answers_jsonl,
+    comparison_table,
+    encode_records,
+    lm_loss_with_replay,
+    make_batches,
+    read_instruction_splits,
+    response_loss,
+    score_answers,
 )
-from llmscratch.instruct import (
-    MAX_NEW_TOKENS, Replay, answers_jsonl, comparison_table, encode_records, lm_loss_with_replay, make_batches,
-    read_instruction_splits, response_loss, score_answers,
-)
-from llmscratch.report import held_out_moby_dick, held_out_scores, moby_dick_training_text
+from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
 
 DEFAULTS = FinetuneConfig(epochs=8, batch_size=8, lr=1e-3, trainable="all")

@@ -10,7 +10,7 @@ each letter is its own token, with a byte-level BPE trained on Moby-Dick and wit
 a small model can then learn the rule from examples instead of having to know how words are
 spelled. Words come from the bundled Moby-Dick. Every (instruction, input) pair is unique, so
 no test prompt is ever seen in training. The output is the same for the same --seed. The families
-live in llmscratch.tasks, beside the mistakes chapter 6 makes from them.
+live in llmscratch.alignment.tasks, beside the mistakes chapter 6 makes from them.
 """
 
 import argparse
@@ -18,9 +18,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from llmscratch.alignment.tasks import make_records
 from llmscratch.assets import INSTRUCTIONS_PATH, write_or_check_records
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.tasks import make_records
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],

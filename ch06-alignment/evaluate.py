@@ -12,7 +12,7 @@ LABEL=PATH to name its column. The first row says how each model's weights are h
 scored (float32, int8, int4 and its group size) and their megabytes. Language models get bits
 per byte on the held-out tenth of Moby-Dick, exact match per instruction family, the share of
 well-formed answers and the ROUGE-L of the answers on the instruction test split, and accuracy
-on the instruction multiple-choice set and the Moby-Dick cloze (llmscratch.report). A spam
+on the instruction multiple-choice set and the Moby-Dick cloze (llmscratch.alignment.report). A spam
 classifier (a classifier.pt of ch05-finetuning/finetune_classifier.py) gets accuracy and F1 on
 its test split. A benchmark that does not apply shows "-". The run folder (--out-dir) gets
 report.md (the table), report.png (a chart) and report.json (every number, with timings).
@@ -24,11 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmscratch.assets import INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH
-from llmscratch.cli import resolve_model, run_folder, value_errors_exit
-from llmscratch.corpus import input_problem
-from llmscratch.device import resolve_device
-from llmscratch.report import (
+from llmscratch.alignment.report import (
     TEST_MODE_ITEMS,
     Benchmarks,
     load_benchmarks,
@@ -37,7 +33,12 @@ from llmscratch.report import (
     score_model,
     write_report,
 )
+from llmscratch.assets import INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH
+from llmscratch.cli import resolve_model, run_folder, value_errors_exit
+from llmscratch.device import resolve_device
+from llmscratch.files import input_problem
 from llmscratch.runfolder import folder_problem, save_or_rescue
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),

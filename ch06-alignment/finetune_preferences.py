@@ -24,24 +24,44 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.alignment.config import DPOConfig
+from llmscratch.alignment.dpo import pair_batches, plot_dpo, preference_scores, preference_table, read_pairs, train_dpo
+from llmscratch.alignment.preference import ReferenceModel
+from llmscratch.alignment.tasks import STYLES, style_pairs
 from llmscratch.assets import INSTRUCTIONS_PATH, PREFERENCES_PATH
-from llmscratch.atomic import write_json_atomically, write_text_atomically
-from llmscratch.checkpoint import export_model
 from llmscratch.cli import (
-    HelpFormatter, add_flags, add_lora_flags, add_out_dir_flags, check_in_files, check_out_dir, finetune_config, refuse,
-    run_folder, starting_model, value_errors_exit,
+    HelpFormatter,
+    add_flags,
+    add_out_dir_flags,
+    check_in_files,
+    check_out_dir,
+    refuse,
+    run_folder,
+    value_errors_exit,
 )
-from llmscratch.config import DPOConfig
 from llmscratch.device import resolve_device
-from llmscratch.dpo import pair_batches, plot_dpo, preference_scores, preference_table, read_pairs, train_dpo
-from llmscratch.finetune import ADAPTERS_FILE, check_trainable, end_of_text_id, fit_and_save, load_base, set_trainable
-from llmscratch.instruct import (
-    MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records, read_instruction_splits, read_json_records,
-    score_answers, split_records,
+from llmscratch.files import write_json_atomically, write_text_atomically
+from llmscratch.finetuning.finetune import (
+    ADAPTERS_FILE,
+    check_trainable,
+    end_of_text_id,
+    fit_and_save,
+    load_base,
+    set_trainable,
 )
-from llmscratch.preference import ReferenceModel
+from llmscratch.finetuning.flags import add_lora_flags, finetune_config, starting_model
+from llmscratch.finetuning.instruct import (
+    MAX_NEW_TOKENS,
+    answers_jsonl,
+    comparison_table,
+    encode_records,
+    read_instruction_splits,
+    read_json_records,
+    score_answers,
+    split_records,
+)
+from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
-from llmscratch.tasks import STYLES, style_pairs
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
 DEFAULTS = DPOConfig(epochs=2, batch_size=8, lr=2e-5, beta=0.1, trainable="all")

@@ -8,7 +8,7 @@ Each round samples --group-size answers to each of --prompts-per-step training p
 afresh from the task families, none of them a held-out prompt; or the train split of --instructions),
 rewards each answer with its family's checker (1 if right, plus
 --format-weight if written in the family's form and ended), and updates the model towards the
-answers above their group's mean (llmscratch.grpo). Then it scores the starting model and the tuned
+answers above their group's mean (llmscratch.alignment.grpo). Then it scores the starting model and the tuned
 one on the test split: exact match and well-formed answers (greedy, as chapter 5 scores them),
 pass@k for k = 1 .. --pass-samples (sampled at temperature 1) and bits per byte on the held-out
 tenth of Moby-Dick. If --model is the default and absent, chapter 5's script trains it first. The
@@ -24,21 +24,41 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.alignment.config import GRPOConfig
+from llmscratch.alignment.grpo import pass_at_k_scores, pass_at_k_table, plot_rl, train_grpo
+from llmscratch.alignment.report import held_out_moby_dick, held_out_scores
+from llmscratch.alignment.tasks import draw_prompts
 from llmscratch.assets import INSTRUCTIONS_PATH
-from llmscratch.atomic import write_json_atomically, write_text_atomically
-from llmscratch.checkpoint import export_model
 from llmscratch.cli import (
-    HelpFormatter, add_flags, add_lora_flags, add_out_dir_flags, check_in_files, check_out_dir, finetune_config, refuse,
-    run_folder, starting_model, value_errors_exit,
+    HelpFormatter,
+    add_flags,
+    add_out_dir_flags,
+    check_in_files,
+    check_out_dir,
+    refuse,
+    run_folder,
+    value_errors_exit,
 )
-from llmscratch.config import GRPOConfig
 from llmscratch.device import resolve_device
-from llmscratch.finetune import ADAPTERS_FILE, check_trainable, end_of_text_id, fit_and_save, load_base, set_trainable
-from llmscratch.grpo import pass_at_k_scores, pass_at_k_table, plot_rl, train_grpo
-from llmscratch.instruct import answers_jsonl, comparison_table, encode_records, read_instruction_splits, score_answers
-from llmscratch.report import held_out_moby_dick, held_out_scores
+from llmscratch.files import write_json_atomically, write_text_atomically
+from llmscratch.finetuning.finetune import (
+    ADAPTERS_FILE,
+    check_trainable,
+    end_of_text_id,
+    fit_and_save,
+    load_base,
+    set_trainable,
+)
+from llmscratch.finetuning.flags import add_lora_flags, finetune_config, starting_model
+from llmscratch.finetuning.instruct import (
+    answers_jsonl,
+    comparison_table,
+    encode_records,
+    read_instruction_splits,
+    score_answers,
+)
+from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
-from llmscratch.tasks import draw_prompts
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
 DEFAULTS = GRPOConfig(lr=1e-4, warmup_fraction=0.05, trainable="all")  # 5e-5 and 3e-4 did worse (RESULTS.md)

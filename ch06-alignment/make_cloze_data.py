@@ -6,7 +6,7 @@
 Everything comes from the held-out tenth of the novel, the text that pretraining validates on,
 so no item was seen in training: a sentence after the two or three sentences before it, among
 three distractors from other paragraphs of nearly its length, at a random position. The rules
-(where a sentence ends, which sentences may be items or distractors) live in llmscratch.cloze.
+(where a sentence ends, which sentences may be items or distractors) live in llmscratch.alignment.cloze.
 The same --seed gives the same file.
 """
 
@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from llmscratch.alignment.cloze import make_items
+from llmscratch.alignment.report import VAL_FRACTION, held_out_moby_dick
 from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick, write_or_check_records
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.cloze import make_items
-from llmscratch.report import VAL_FRACTION, held_out_moby_dick
 
 
 def main(argv=None) -> None:

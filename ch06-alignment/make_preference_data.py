@@ -21,7 +21,7 @@ a singular is always shorter than its plural): compare models, not a model and 2
 The model's answers come from a trained model, and CPUs round float products differently,
 so they are generated once (--answers-from) and committed; from them, the rules and --seed,
 both sets are rebuilt the same everywhere, and --check needs no model. The rules live in
-llmscratch.tasks, beside the families they belong to.
+llmscratch.alignment.tasks, beside the families they belong to.
 """
 
 import argparse
@@ -31,6 +31,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from llmscratch.alignment.tasks import build_preference_data
 from llmscratch.assets import (
     INSTRUCTION_ANSWERS_PATH,
     INSTRUCTION_CHOICES_PATH,
@@ -39,11 +40,9 @@ from llmscratch.assets import (
     dumps_answers,
     write_or_check_records,
 )
-from llmscratch.atomic import write_text_atomically
 from llmscratch.cli import check_out_files, run_script
-from llmscratch.metrics import exact_match
-from llmscratch.instruct import SPLITS, model_answers, validate_records
-from llmscratch.tasks import build_preference_data
+from llmscratch.files import write_text_atomically
+from llmscratch.finetuning.instruct import SPLITS, exact_match, model_answers, validate_records
 
 
 def read_json(path: Path, what: str):

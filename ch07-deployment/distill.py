@@ -7,7 +7,7 @@
 The student keeps the teacher's tokenizer, vocabulary, context and architecture at a smaller shape (the
 student flags), and trains on the teacher's own training text, the first 90% of Moby-Dick, with the loss
 alpha * T^2 * KL(teacher || student, both at temperature T) + (1 - alpha) * cross-entropy
-(llmscratch.distill; by default T = 1 and alpha = 1, the teacher's distribution alone). Then both are
+(llmscratch.deployment.distill; by default T = 1 and alpha = 1, the teacher's distribution alone). Then both are
 scored on the held-out tenth: bits per byte, and how close the student came to the teacher (the share of
 its drafts a speculative decoder would keep). With --alpha 0 the run is the ordinary pretraining of the
 same student, step for step (same weights, data order and schedule). The run folder (--out-dir) gets
@@ -22,22 +22,35 @@ import time
 from pathlib import Path
 
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.atomic import write_json_atomically
-from llmscratch.checkpoint import export_model
 from llmscratch.cli import (
-    HelpFormatter, add_flags, add_out_dir_flags, build_config, check_out_dir, refuse, run_folder, run_script,
+    HelpFormatter,
+    add_flags,
+    add_out_dir_flags,
+    build_config,
+    check_out_dir,
+    refuse,
+    run_folder,
+    run_script,
     value_errors_exit,
 )
-from llmscratch.device import DTYPES, choose_dtype, resolve_device
-from llmscratch.distill import (
-    STUDENT_SHAPE, DistillConfig, student_config, teacher_agreement, text_splits, train_student,
+from llmscratch.deployment.distill import (
+    STUDENT_SHAPE,
+    DistillConfig,
+    student_config,
+    teacher_agreement,
+    text_splits,
+    train_student,
 )
-from llmscratch.distributed import DistInfo
-from llmscratch.evaluation import evaluate, token_byte_lengths
-from llmscratch.model import GPTConfig
-from llmscratch.runlog import METRICS_FILE, PLOT_FILE, SAMPLE_FILE, SUMMARY_FILE
-from llmscratch.train import CHECKPOINT_FILE, TrainConfig
-from llmscratch.weights import load_model_and_tokenizer
+from llmscratch.device import DTYPES, choose_dtype, resolve_device
+from llmscratch.files import write_json_atomically
+from llmscratch.model.checkpoint import export_model
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.weights import load_model_and_tokenizer
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.distributed import DistInfo
+from llmscratch.training.evaluation import evaluate, token_byte_lengths
+from llmscratch.training.runlog import METRICS_FILE, PLOT_FILE, SAMPLE_FILE, SUMMARY_FILE
+from llmscratch.training.train import CHECKPOINT_FILE
 
 DEFAULTS = TrainConfig(max_steps=300, batch_size=8, lr=2e-3, min_lr=2e-4, warmup_steps=30, eval_interval=100,
                        eval_tokens=8192, checkpoint_interval=100, sample_interval=300)

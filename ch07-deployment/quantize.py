@@ -8,7 +8,7 @@
 ch06's runs), a run folder or a model file. The quantized model is written as a model export
 (safetensors, its integers and scales as they are, with the tokenizer) that every script's
 --model or checkpoint argument takes. Then the held-out tenth of Moby-Dick is scored in bits per
-byte by the model before and after, and the file sizes are compared (llmscratch.quantize).
+byte by the model before and after, and the file sizes are compared (llmscratch.model.quantize).
 """
 
 import argparse
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from llmscratch.checkpoint import export_model
+from llmscratch.alignment.report import Benchmarks, held_out_moby_dick, language_model_scores
 from llmscratch.cli import check_out_files, resolve_model, run_script, value_errors_exit
-from llmscratch.quantize import SCHEMES, quantize
-from llmscratch.report import Benchmarks, held_out_moby_dick, language_model_scores
-from llmscratch.weights import load_model_and_tokenizer
+from llmscratch.model.checkpoint import export_model
+from llmscratch.model.quantize import SCHEMES, quantize
+from llmscratch.model.weights import load_model_and_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

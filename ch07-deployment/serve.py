@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from llmscratch.chat_template import ChatTemplate
 from llmscratch.cli import resolve_model, run_script, value_errors_exit
+from llmscratch.deployment.engine import BATCH_SHAPES, Engine
+from llmscratch.deployment.server import create_app
 from llmscratch.device import DTYPES, resolve_device
-from llmscratch.engine import BATCH_SHAPES, Engine
-from llmscratch.server import create_app
-from llmscratch.weights import load_model_and_tokenizer
+from llmscratch.model.weights import load_model_and_tokenizer
+from llmscratch.text.chat_template import ChatTemplate
 
 KEYS_VARIABLE = "LLMSCRATCH_API_KEYS"
 

@@ -1,4 +1,4 @@
-"""Where a model runs and in which precision: device names, dtype names, autocast.
+"""Where a model runs and in which precision: device names, dtype names, autocast, and which CPU it is.
 
 Every script and module that takes ``--device`` or ``--dtype`` resolves it here.
 """
@@ -66,3 +66,12 @@ def autocast(device: torch.device | str, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or 'unknown cpu' elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown cpu"

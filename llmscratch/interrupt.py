@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM end a training loop cleanly: the step under way finishes, then the loop stops.
+"""How a training loop ends early: cleanly on Ctrl-C or SIGTERM, or with ``TrainingDiverged`` when its loss does.
 
 A loop reads ``stop_requested`` after each step; ``stop_on_signals`` sets it (through
 ``request_stop``) on the first signal, so the run can save what it has. A second signal
@@ -50,3 +50,7 @@ def stop_on_signals(target, say: Callable[[str], None] = print, saving: str = "w
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss (or, outside float16, the gradient) became NaN or infinite; no update was made."""

@@ -19,7 +19,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from llmscratch.atomic import write_atomically
+from llmscratch.files import write_atomically
 
 SOURCES = Path(__file__).parent / "kernels"
 # The flags tried in turn: this CPU's instructions and OpenMP's threads, then without one or both (Apple's clang

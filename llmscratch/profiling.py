@@ -9,8 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from llmscratch.device import resolve_device
-from llmscratch.flops import cpu_model
+from llmscratch.device import cpu_model, resolve_device
 
 
 def time_once(fn: Callable[[], object], device: str | torch.device | None = None) -> float:

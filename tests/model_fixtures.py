@@ -2,8 +2,8 @@
 
 import torch
 
-from llmscratch.model import GPT, GPTConfig
-
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
 
 # The choices beyond GPT-2 and Llama, as small models: Gemma 3's (sliding layers with their own RoPE base, a
 # window shorter than the prompts, post-norms, scaled embeddings, GeGLU, QK-norm, its own score scale) and a

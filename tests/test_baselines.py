@@ -1,4 +1,4 @@
-"""llmscratch.baselines: unigram and bigram models against counts made with plain Python dicts."""
+"""llmscratch.training.baselines: unigram and bigram models against counts made with plain Python dicts."""
 import math
 import re
 from collections import Counter
@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from llmscratch import baselines
+from llmscratch.training import baselines
 
 
 def random_ids(n, vocab, seed):

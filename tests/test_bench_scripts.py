@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import run
 
 from benchmarks import gpu
-from processes import run
 
 ROOT = Path(__file__).resolve().parents[1]
 

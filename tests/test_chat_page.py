@@ -1,11 +1,11 @@
-"""The chat page (llmscratch/chat.html) in a real browser: Debian's Chromium, headless, driven by Selenium,
+"""The chat page (llmscratch/deployment/chat.html) in a real browser: Debian's Chromium, headless, driven by Selenium,
 against a server under test on loopback (tests/serving.py).
 
 What the page must do, seen from outside: show the model's name, stream a reply into the conversation as it comes,
 send the whole conversation each turn, stop a reply, start a new chat, send the API key, and show the server's error
 messages. Every wait is bounded (WebDriverWait, at most 60 s); the browser quits before the server stops.
 
-The server under test is the real one (``llmscratch.server.create_app`` over the bundled model, greedy by the page's
+The server under test is the real one (``llmscratch.deployment.server.create_app`` over the bundled model, greedy by the page's
 default temperature 0), so the page's final text is compared with the server's own non-streamed answer.
 Set CHAT_PAGE_SCREENSHOT=/some/file.png to keep a screenshot of the page with a conversation in it.
 """
@@ -24,12 +24,12 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
+from serving import running_server
 
 from llmscratch.cli import DEFAULT_MODELS
-from llmscratch.engine import Engine
-from llmscratch.server import create_app
-from llmscratch.weights import load_model_and_tokenizer
-from serving import running_server
+from llmscratch.deployment.engine import Engine
+from llmscratch.deployment.server import create_app
+from llmscratch.model.weights import load_model_and_tokenizer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]  # a browser and a model: about 10 s a test
 

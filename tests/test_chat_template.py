@@ -1,4 +1,4 @@
-"""A Hugging Face folder's chat template (llmscratch.chat_template), against transformers' apply_chat_template
+"""A Hugging Face folder's chat template (llmscratch.text.chat_template), against transformers' apply_chat_template
 on the same template and tokenizer, and through the server's /v1/chat/completions."""
 
 import json
@@ -6,14 +6,14 @@ import json
 import httpx
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
-
-from llmscratch.chat_template import ChatTemplate
-from llmscratch.engine import Engine
-from llmscratch.hf_tokenizer import tokenizer_from_hf
 from model_fixtures import successor_model
 from serving import running_server
 from test_hf_tokenizer import qwen_style
+from transformers import PreTrainedTokenizerFast
+
+from llmscratch.deployment.engine import Engine
+from llmscratch.text.chat_template import ChatTemplate
+from llmscratch.text.hf_tokenizer import tokenizer_from_hf
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -99,7 +99,7 @@ def test_a_bad_template_or_conversation_is_named(tmp_path, source, call, message
 def test_the_server_chats_in_the_models_template_and_stops_at_its_end(folder):
     """A model whose greedy next token follows the last one: after the template's "assistant\\n" it says
     one word, then <|im_end|>, which ends the answer (and is not in it)."""
-    from llmscratch.server import create_app
+    from llmscratch.deployment.server import create_app
 
     template, tokenizer = ChatTemplate.from_hf(folder), tokenizer_from_hf(folder)
     messages = CONVERSATIONS[0]

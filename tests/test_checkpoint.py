@@ -8,13 +8,20 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_training import model_config, tokenizer
 from torch import nn
 
-from llmscratch.checkpoint import (check_model_config, clean_state_dict, export_model, load_checkpoint,
-                                   load_model_state, model_from_checkpoint, save_checkpoint,
-                                   tokenizer_from_checkpoint, unwrap)
-from llmscratch.model import GPT
-from tiny_training import model_config, tokenizer
+from llmscratch.model.checkpoint import (
+    clean_state_dict,
+    export_model,
+    load_checkpoint,
+    load_model_state,
+    model_from_checkpoint,
+    save_checkpoint,
+    tokenizer_from_checkpoint,
+)
+from llmscratch.model.gpt import GPT, unwrap
+from llmscratch.training.resume import check_model_config
 
 
 def tiny_model(**overrides) -> GPT:
@@ -69,7 +76,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     save_checkpoint(tmp_path / "c.pt", checkpoint_of(model, step=1))
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from llmscratch.checkpoint import save_checkpoint
+        from llmscratch.model.checkpoint import save_checkpoint
         real_save = torch.save
         def save_then_die(obj, f):
             real_save(obj, f)

@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 
 from llmscratch.cli import HelpFormatter, add_flags, build_config, refuse
-from llmscratch.config import ConfigError, FinetuneConfig, TrainConfig
+from llmscratch.config import ConfigError
+from llmscratch.finetuning.config import FinetuneConfig
+from llmscratch.training.config import TrainConfig
 
 
 def parser_with(config, *names: str) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""The Moby-Dick cloze set (llmscratch.cloze, written by ch06-alignment/make_cloze_data.py): built from the
+"""The Moby-Dick cloze set (llmscratch.alignment.cloze, written by ch06-alignment/make_cloze_data.py): built from the
 held-out tenth only, true sentences in place, chance at 25%."""
 
 import json
@@ -10,11 +10,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from llmscratch import cloze
-from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick
-from llmscratch.report import held_out_moby_dick
 from processes import run as run_process
+
+from llmscratch.alignment import cloze
+from llmscratch.alignment.report import held_out_moby_dick
+from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "make_cloze_data.py"
 TEXT = read_moby_dick()

@@ -14,21 +14,23 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from llmscratch.attention import MultiHeadAttention
-from llmscratch.config import LoRAConfig, TrainConfig
-from llmscratch.device import autocast
-from llmscratch.distributed import DistInfo
-from llmscratch.generate import compiled_decode_one_token, decode_one_token, generate, prefill
-from llmscratch.lora import adapters_disabled, apply_lora, lora_layers, merge_lora
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.optim import configure_optimizer
-from llmscratch.profiling import sdpa_kernels
-from llmscratch.rope import RotaryEmbedding
 from model_fixtures import LATER_SHAPES, randomize
 from tiny_training import losses, make_trainer
 from tolerances import assert_adamw_runs_agree
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from llmscratch.device import autocast
+from llmscratch.finetuning.config import LoRAConfig
+from llmscratch.finetuning.lora import adapters_disabled, apply_lora, lora_layers, merge_lora
+from llmscratch.model.attention import MultiHeadAttention
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import compiled_decode_one_token, decode_one_token, generate, prefill
+from llmscratch.model.gpt import GPT
+from llmscratch.model.rope import RotaryEmbedding
+from llmscratch.profiling import sdpa_kernels
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.distributed import DistInfo
+from llmscratch.training.optim import configure_optimizer
 
 # Sized for well under 90 s on an H100, its two torch.compile tests included: a hang fails long before 15 minutes.
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(180)]
@@ -111,7 +113,7 @@ def step_results(model: GPT, idx: torch.Tensor, targets: torch.Tensor, dtype: to
     as float64 on the CPU.
 
     dtype: the autocast precision (float32: none). The loss is the model's own training path (the chunked
-    cross-entropy of llmscratch.losses); the logits come from a forward without targets. compiled: the model
+    cross-entropy of llmscratch.model.losses); the logits come from a forward without targets. compiled: the model
     through torch.compile, called instead; its logits are left out (a second graph to compile).
     """
     device = next(model.parameters()).device

@@ -1,4 +1,4 @@
-"""Tests for llmscratch.data and llmscratch.corpus: sliding windows, dataloaders, token files, random-window batches."""
+"""Tests for llmscratch.text.data and llmscratch.text.corpus: sliding windows, dataloaders, token files, random-window batches."""
 
 import io
 import itertools
@@ -15,10 +15,10 @@ import tiktoken
 import torch
 
 from llmscratch.assets import read_moby_dick
-from llmscratch import corpus
-from llmscratch.corpus import check_token_ids, load_token_meta, load_token_split, prepare_token_files
-from llmscratch.data import RandomWindowBatches, SlidingWindowDataset, create_dataloader, split_text
-from llmscratch.tokenizer import ENDOFTEXT, gpt2_encoding, load_gpt2_ranks
+from llmscratch.text import corpus
+from llmscratch.text.corpus import check_token_ids, load_token_meta, load_token_split, prepare_token_files
+from llmscratch.text.data import RandomWindowBatches, SlidingWindowDataset, create_dataloader, split_text
+from llmscratch.text.tokenizer import ENDOFTEXT, gpt2_encoding, load_gpt2_ranks
 
 # GPT-4's (cl100k) pre-tokenizer: the block cutting must be exact for it too.
 CL100K_SPLIT_PATTERN = (
@@ -218,8 +218,8 @@ def test_prepare_again_replaces_the_token_files_and_nothing_else(tmp_path, gpt2,
 
 SLOW_PREPARE = """
 import sys, time
-from llmscratch.corpus import prepare_token_files
-from llmscratch.tokenizer import gpt2_encoding
+from llmscratch.text.corpus import prepare_token_files
+from llmscratch.text.tokenizer import gpt2_encoding
 
 class Slow:  # GPT-2's encoding, a tenth of a second per block: the test has time to kill it mid-way
     def __init__(self):

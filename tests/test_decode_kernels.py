@@ -1,17 +1,18 @@
-"""The compiled CPU decoding step's plain math (llmscratch/decode_kernels.py) against the library's kernels."""
+"""The compiled CPU decoding step's plain math (llmscratch/model/decode_kernels.py) against the library's kernels."""
 
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from model_fixtures import randomize
 from torch._inductor.utils import run_and_get_code
 
-import llmscratch.decode_kernels as decode_kernels
-from llmscratch.decode_kernels import OneRowMath, one_query_attention, one_row_linear
-from llmscratch.generate import compiled_decode_one_token, generate
-from llmscratch.model import GPT, GPTConfig
-from model_fixtures import randomize
+import llmscratch.model.decode_kernels as decode_kernels
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.decode_kernels import OneRowMath, one_query_attention, one_row_linear
+from llmscratch.model.generate import compiled_decode_one_token, generate
+from llmscratch.model.gpt import GPT
 
 
 def float64(*shape, seed=0):

@@ -1,4 +1,4 @@
-"""Knowledge distillation (llmscratch.distill): the loss against float64 sums, the trainer against the plain
+"""Knowledge distillation (llmscratch.deployment.distill): the loss against float64 sums, the trainer against the plain
 Trainer and a hand-computed first step, the bundled teacher distilled for a few steps, and ch07's script."""
 
 import argparse
@@ -13,21 +13,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from model_fixtures import randomize
+from processes import run as run_process
 
 from benchmarks.bench_distill import comparison, markdown, spread
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.config import ConfigError
-from llmscratch.data import RandomWindowBatches, split_text
-from llmscratch.distill import (
-    STUDENT_SHAPE, DistillConfig, DistillationTrainer, distillation_loss, student_config, teacher_agreement,
-    text_splits, train_student,
+from llmscratch.deployment.distill import (
+    STUDENT_SHAPE,
+    DistillationTrainer,
+    DistillConfig,
+    distillation_loss,
+    student_config,
+    teacher_agreement,
+    text_splits,
+    train_student,
 )
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.model import GPT
-from llmscratch.train import Trainer, TrainConfig
-from model_fixtures import randomize
-from processes import run as run_process
+from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.gpt import GPT
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.text.data import RandomWindowBatches, split_text
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.train import Trainer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch07-deployment" / "distill.py"
 TINY = {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "context_length": 32}

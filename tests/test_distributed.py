@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-from llmscratch import distributed
-from llmscratch.checkpoint import load_checkpoint
-from llmscratch.distributed import DistInfo, resolve_device
 from processes import run as run_process
 from processes import spawn, torchrun
 from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, JointBatches, losses, make_trainer, tokens
 from tolerances import assert_adamw_runs_agree
+
+from llmscratch.device import resolve_device
+from llmscratch.model.checkpoint import load_checkpoint
+from llmscratch.training import distributed
+from llmscratch.training.distributed import DistInfo
 
 # A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
 SETTINGS = dict(batch_size=2, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,

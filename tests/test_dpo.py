@@ -10,20 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from llmscratch import tasks
-from llmscratch.assets import INSTRUCTIONS_PATH, read_instructions
-from llmscratch.checkpoint import export_model, model_from_checkpoint
-from llmscratch.config import DPOConfig
-from llmscratch.dpo import pair_batches, read_pairs, train_dpo
-from llmscratch.finetune import load_base, set_trainable
-from llmscratch.instruct import format_prompt
-from llmscratch.lora import adapters_disabled, lora_layers
-from llmscratch.metrics import normalize_answer
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.preference import ReferenceModel
-from llmscratch.tokenizer import BPETokenizer
 from processes import run as run_process
+
+from llmscratch.alignment import tasks
+from llmscratch.alignment.config import DPOConfig
+from llmscratch.alignment.dpo import pair_batches, read_pairs, train_dpo
+from llmscratch.alignment.preference import ReferenceModel
+from llmscratch.assets import INSTRUCTIONS_PATH, read_instructions
+from llmscratch.finetuning.finetune import load_base, set_trainable
+from llmscratch.finetuning.instruct import format_prompt, normalize_answer
+from llmscratch.finetuning.lora import adapters_disabled, lora_layers
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.text.tokenizer import BPETokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "finetune_preferences.py"
 D_MODEL, D_FF, N_LAYERS, N_HEADS, N_KV_HEADS = 32, 64, 2, 2, 1

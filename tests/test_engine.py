@@ -1,4 +1,4 @@
-"""Continuous batching (llmscratch.engine) against generate alone, and the per-row positions it rests on.
+"""Continuous batching (llmscratch.deployment.engine) against generate alone, and the per-row positions it rests on.
 
 The rule for "a request's result does not depend on what else runs": its logits stay within a
 tolerance derived from the model itself (4x the largest gap between its float32 and float64
@@ -17,15 +17,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from llmscratch.attention import KVCache, positions_mask
-from llmscratch.cli import DEFAULT_MODELS
-from llmscratch.engine import Engine, QueueFull, Request, SamplingParams, StopText
-from llmscratch.generate import decode_one_token, generate, prefill
-from llmscratch.instruct import format_chat, format_prompt
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.weights import load_model_and_tokenizer
 from model_fixtures import LATER_SHAPES, randomize
+
+from llmscratch.cli import DEFAULT_MODELS
+from llmscratch.deployment.engine import Engine, QueueFull, Request, SamplingParams, StopText
+from llmscratch.finetuning.instruct import format_chat, format_prompt
+from llmscratch.model.attention import KVCache, positions_mask
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import decode_one_token, generate, prefill
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import load_model_and_tokenizer
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
@@ -450,7 +451,7 @@ def test_a_chat_of_one_turn_is_the_instruction_prompt_and_bad_chats_are_named():
 
 @pytest.mark.parametrize("form", ["bfloat16", "int8", "int4"])
 def test_bfloat16_and_quantized_models_answer_as_generate_does(base, form):
-    from llmscratch.quantize import quantize
+    from llmscratch.model.quantize import quantize
 
     model, tokenizer = base
     served = copy.deepcopy(model).to(torch.bfloat16) if form == "bfloat16" else quantize(model, form, 64, head=True)

@@ -9,7 +9,7 @@ from exercise_suite import solutions as solutions_of
 from torch import nn
 
 from llmscratch.exercises import ch01
-from llmscratch.tokenizer import BPETokenizer
+from llmscratch.text.tokenizer import BPETokenizer
 
 solutions = solutions_of(ch01)
 

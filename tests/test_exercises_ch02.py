@@ -6,7 +6,7 @@ import torch
 from exercise_suite import ExerciseSuite, solutions
 
 from llmscratch.exercises import ch02
-from llmscratch.rope import RotaryEmbedding
+from llmscratch.model.rope import RotaryEmbedding
 
 sol = solutions(ch02)
 

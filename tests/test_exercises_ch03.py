@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from exercise_suite import ExerciseSuite, solutions
 from torch import nn
 
-from llmscratch.exercises import ch03
-from llmscratch.model import GPT
+from llmscratch.exercises import ch03, ch03_fixtures
+from llmscratch.model.gpt import GPT
 
 sol = solutions(ch03)
 
@@ -243,6 +243,6 @@ def test_the_closed_form_of_the_usual_mistakes_starts_from_the_package_count():
 
 
 def test_the_greedy_cases_generate_more_than_one_token_value():
-    model = ch03._small_gpt(True, seed=4)
+    model = ch03_fixtures.small_gpt(True, seed=4)
     idx = torch.tensor([[1, 2, 3, 47]])
     assert len(set(ch03.generate(model, idx, 10)[0, 4:].tolist())) > 2  # a check on repeats would be no check

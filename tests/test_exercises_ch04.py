@@ -8,9 +8,9 @@ from exercise_suite import ExerciseSuite, solutions
 from torch.nn.functional import nll_loss as negative_log_likelihood
 
 from llmscratch.exercises import ch04
-from llmscratch.generate import sample_next_token
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.train import learning_rate
+from llmscratch.model.generate import sample_next_token
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.training.optim import learning_rate
 
 sol = solutions(ch04)
 

@@ -9,8 +9,9 @@ from torch import nn
 
 from llmscratch.exercises import ch05
 from llmscratch.exercises.ch05_references import early_stop, instruction_rows
-from llmscratch.instruct import IGNORE_INDEX, collate
-from llmscratch.optim import OptimizerStep
+from llmscratch.finetuning.instruct import collate
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.training.optim import OptimizerStep
 
 sol = solutions(ch05)
 

@@ -24,11 +24,11 @@ import torch
 from exercise_suite import answers_of
 from processes import run
 
-import llmscratch.attention
+import llmscratch.model.attention
 from llmscratch.exercises import ch02, ch03
 from llmscratch.exercises.__main__ import main
 from llmscratch.exercises.checking import Chapter, attempt, expect_close, load_answers
-from llmscratch.rope import RotaryEmbedding
+from llmscratch.model.rope import RotaryEmbedding
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = answers_of(ROOT / "tests" / "exercise_answers" / "ch02_solutions.py")  # each answer's source, by name
@@ -191,11 +191,11 @@ def test_sys_exit_at_import_fails_every_row_and_says_so(tmp_path, capfd, code):
 def test_answers_that_patch_the_package_at_import_cannot_change_the_references(tmp_path, capfd):
     # a reader who switched the package's mask off and RoPE's rotation while experimenting, and left it so
     path = answers_file(tmp_path, "causal_mask", "grouped_query_attention", "rope_interleaved", """
-        import llmscratch.attention
-        import llmscratch.rope
+        import llmscratch.model.attention
+        import llmscratch.model.rope
 
-        llmscratch.attention.causal_mask = lambda q_len, kv_len, device=None: torch.ones(q_len, kv_len).bool()
-        llmscratch.rope.RotaryEmbedding.forward = lambda self, x, start_pos=0, *, positions=None: x
+        llmscratch.model.attention.causal_mask = lambda q_len, kv_len, device=None: torch.ones(q_len, kv_len).bool()
+        llmscratch.model.rope.RotaryEmbedding.forward = lambda self, x, start_pos=0, *, positions=None: x
         """)
     status, out, _ = check_here(capfd, path)
     assert status == 0, out
@@ -272,12 +272,12 @@ def test_answers_to_another_chapter_get_a_hint_naming_it(capfd):
 
 def test_an_answer_calling_the_function_it_rebuilds_fails_in_the_worker_with_a_hint(tmp_path, capfd):
     answers = tmp_path / "answers.py"
-    answers.write_text("from llmscratch import attention\n\n\ndef causal_mask(q_len, kv_len):\n"
+    answers.write_text("from llmscratch.model import attention\n\n\ndef causal_mask(q_len, kv_len):\n"
                        "    return attention.causal_mask(q_len, kv_len)\n")
     status, out, _ = check_here(capfd, answers)
     assert status == 1 and rows(out)["causal_mask"] == "failed", out
     assert "hint:     write it without causal_mask" in detail(out, "causal_mask"), out
-    answers.write_text("from llmscratch.attention import causal_mask\n")  # the library's own, as the answer
+    answers.write_text("from llmscratch.model.attention import causal_mask\n")  # the library's own, as the answer
     status, out, _ = check_here(capfd, answers)
     assert status == 1 and "hint:     write it without causal_mask" in detail(out, "causal_mask"), out
 
@@ -296,26 +296,26 @@ def all_visible(q_len, kv_len, device=None):
 
 
 def test_a_patch_made_inside_an_answer_cannot_change_the_references_and_is_undone(monkeypatch):
-    monkeypatch.setattr(llmscratch.attention, "causal_mask", llmscratch.attention.causal_mask)  # put back at the end
+    monkeypatch.setattr(llmscratch.model.attention, "causal_mask", llmscratch.model.attention.causal_mask)  # put back at the end
 
     def grouped_query_attention(q, k, v):
-        llmscratch.attention.causal_mask = all_visible  # the answer tampers, yet computes right
+        llmscratch.model.attention.causal_mask = all_visible  # the answer tampers, yet computes right
         return sol.grouped_query_attention(q, k, v)
 
-    original = llmscratch.attention.causal_mask
+    original = llmscratch.model.attention.causal_mask
     assert ch02.CHAPTER.check(grouped_query_attention, quiet=True).status == "passed"
-    assert llmscratch.attention.causal_mask is original
+    assert llmscratch.model.attention.causal_mask is original
 
 
 def test_the_readers_own_patches_do_not_reach_the_references_and_are_kept(monkeypatch):
     def no_rotation(self, x, start_pos=0, *, positions=None):
         return x
 
-    monkeypatch.setattr(llmscratch.attention, "causal_mask", all_visible)
+    monkeypatch.setattr(llmscratch.model.attention, "causal_mask", all_visible)
     monkeypatch.setattr(RotaryEmbedding, "forward", no_rotation)
     assert ch02.CHAPTER.check(sol.grouped_query_attention, quiet=True).status == "passed"
     assert ch02.CHAPTER.check(sol.rope_interleaved, quiet=True).status == "passed"
-    assert llmscratch.attention.causal_mask is all_visible and RotaryEmbedding.forward is no_rotation
+    assert llmscratch.model.attention.causal_mask is all_visible and RotaryEmbedding.forward is no_rotation
 
 
 def test_grad_mode_or_dtype_switched_by_one_answer_does_not_fail_the_next():

@@ -19,13 +19,16 @@ from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from llmscratch.checkpoint import export_model, save_checkpoint, write_safetensors  # noqa: E402
-from llmscratch.config import LoRAConfig  # noqa: E402
-from llmscratch.lora import apply_lora, load_adapters, lora_layers, save_adapters  # noqa: E402
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.tokenizer import BPETokenizer  # noqa: E402
-from llmscratch.weights import save_hf  # noqa: E402
 from scripts import run_script  # noqa: E402
+
+from llmscratch.files import write_safetensors  # noqa: E402
+from llmscratch.finetuning.config import LoRAConfig  # noqa: E402
+from llmscratch.finetuning.lora import apply_lora, load_adapters, lora_layers, save_adapters  # noqa: E402
+from llmscratch.model.checkpoint import export_model, save_checkpoint
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import save_hf  # noqa: E402
+from llmscratch.text.tokenizer import BPETokenizer  # noqa: E402
 
 OURS = dict(vocab_size=257, context_length=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 

@@ -23,16 +23,17 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-
-from llmscratch import atomic, distributed
-from llmscratch.checkpoint import export_model, load_checkpoint, model_from_checkpoint, save_checkpoint
-from llmscratch.corpus import load_token_split, prepare_token_files
-from llmscratch.model import GPT
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.train import Trainer
 from processes import start_until_lines
 from scripts import run_script
 from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, model_config, tokenizer
+
+from llmscratch.files import DiskFullError
+from llmscratch.model.checkpoint import export_model, load_checkpoint, model_from_checkpoint, save_checkpoint
+from llmscratch.model.gpt import GPT
+from llmscratch.text.corpus import load_token_split, prepare_token_files
+from llmscratch.text.tokenizer import BPETokenizer
+from llmscratch.training import distributed
+from llmscratch.training.train import Trainer
 
 RUN = "run"  # the run folder, under tmp_path
 
@@ -334,7 +335,7 @@ def test_a_full_disk_names_the_folder_and_keeps_the_last_checkpoint(tmp_path, mo
             raise failure
 
         monkeypatch.setattr(torch, "save", half_a_save)
-        with pytest.raises(atomic.DiskFullError) as raised:
+        with pytest.raises(DiskFullError) as raised:
             save_checkpoint(tmp_path / "checkpoint.pt", {"model": {}, "model_config": {}, "step": 2})
         message = str(raised.value)
         assert raised.value.errno == errno.ENOSPC

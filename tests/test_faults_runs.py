@@ -21,21 +21,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from llmscratch import tasks
-from llmscratch.checkpoint import export_model, load_checkpoint, model_from_checkpoint, save_checkpoint
-from llmscratch.classify import Classifier
-from llmscratch.generate import stream
-from llmscratch.instruct import read_json_records
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.runfolder import LOCK_FILE, claim
-from llmscratch.tokenizer import BPETokenizer
 from processes import run as run_process
 from scripts import ROOT, SCRIPTS, run_script
+from test_dpo import model_path, pairs_path  # noqa: F401  (fixtures)
 from test_faults_finetune import OURS, ours
 from test_faults_pretrain import RUN, copy_run, finished_run, run_main  # noqa: F401  (finished_run: a fixture)
-from test_dpo import model_path, pairs_path  # noqa: F401  (fixtures)
 from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, pretrain_with_hook
+
+from llmscratch.alignment import tasks
+from llmscratch.finetuning.classify import Classifier
+from llmscratch.finetuning.instruct import read_json_records
+from llmscratch.model.checkpoint import export_model, load_checkpoint, model_from_checkpoint, save_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import stream
+from llmscratch.model.gpt import GPT
+from llmscratch.runfolder import LOCK_FILE, claim
+from llmscratch.text.tokenizer import BPETokenizer
 
 FINETUNING = ("classifier", "instructions", "preferences")
 pytestmark = pytest.mark.timeout(300)
@@ -303,7 +304,7 @@ def test_a_prompt_longer_than_the_context_gets_a_note(tmp_path, base, capsys):
 
 
 def test_the_memory_planner_refuses_a_model_beyond_what_pytorch_can_count(capsys):
-    from llmscratch.memory import main as memory_main
+    from llmscratch.training.memory import main as memory_main
 
     with pytest.raises(SystemExit) as exit_info:
         memory_main(["--d-model", "12000000000"])
@@ -350,7 +351,7 @@ def test_json_lines_are_read_where_a_json_list_is_expected(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_during_dpo_saves_the_model_trained_so_far(tmp_path, model_path, pairs_path, capsys, monkeypatch):
-    from llmscratch.optim import OptimizerStep
+    from llmscratch.training.optim import OptimizerStep
 
     real_step, steps = OptimizerStep.__call__, []
 
@@ -406,7 +407,7 @@ def test_evaluate_takes_a_path_holding_an_equals_sign_as_a_path(tmp_path, base):
 @pytest.mark.parametrize("metrics, problem", [("[1, 2]", "TypeError"), ("{not json", "JSONDecodeError"),
                                               ('{"config": {"seed": "x"}}', "config.seed should be an integer")])
 def test_a_classifier_beside_a_bad_metrics_file_is_named(metrics, problem, tmp_path, capsys):
-    from llmscratch.classify import SPAM_LABELS, GPTClassifier
+    from llmscratch.finetuning.classify import SPAM_LABELS, GPTClassifier
 
     tokenizer = BPETokenizer([], special_tokens={"<|endoftext|>": 256})
     classifier = Classifier(GPTClassifier(ours(), len(SPAM_LABELS)), tokenizer, SPAM_LABELS, 256, max_length=32)
@@ -492,7 +493,7 @@ def test_resuming_a_finished_run_changes_nothing_and_says_so(tmp_path, finished_
 
 
 def test_the_memory_planner_refuses_more_blocks_than_it_can_list(capsys):
-    from llmscratch.memory import main as memory_main
+    from llmscratch.training.memory import main as memory_main
 
     with pytest.raises(SystemExit) as exit_info:
         memory_main(["--preset", "llama3-8b", "--n-layers", "100000000"])

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from llmscratch.tokenizer import BPETokenizer
 from processes import run as run_process
+
+from llmscratch.text.tokenizer import BPETokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch01-tokenization" / "train_tokenizer.py"
 

@@ -15,19 +15,27 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from llmscratch.assets import PRETRAINED_PATH
-from llmscratch.checkpoint import (export_model, export_state_dict, load_checkpoint, model_from_checkpoint,
-                                   read_safetensors, save_checkpoint, tokenizer_from_checkpoint)
-from llmscratch.classify import Classifier, GPTClassifier
-from llmscratch.config import LoRAConfig
-from llmscratch.lora import apply_lora, load_adapters, save_adapters
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.sharded_checkpoint import META_FILE, SHARDED_FORMAT, read_meta
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.weights import load_hf, load_model_and_tokenizer, save_hf
 from scripts import run_script
 from test_faults_pretrain import copy_run, digest, finished_run, run_main  # noqa: F401 (a fixture)
+
+from llmscratch.assets import PRETRAINED_PATH
+from llmscratch.files import read_safetensors
+from llmscratch.finetuning.classify import Classifier, GPTClassifier
+from llmscratch.finetuning.config import LoRAConfig
+from llmscratch.finetuning.lora import apply_lora, load_adapters, save_adapters
+from llmscratch.model.checkpoint import (
+    export_model,
+    export_state_dict,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+    tokenizer_from_checkpoint,
+)
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import load_hf, load_model_and_tokenizer, save_hf
+from llmscratch.text.tokenizer import BPETokenizer
+from llmscratch.training.resume import META_FILE, SHARDED_FORMAT, read_meta
 
 TENSOR = "blocks.0.mlp.up.weight"  # the tensor each case spoils: (32, 16), 512 values
 HF_TENSOR = "model.layers.0.mlp.up_proj.weight"  # the same, as a Hugging Face folder names it

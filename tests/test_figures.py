@@ -1,4 +1,4 @@
-"""The chapters' diagrams (``llmscratch.figures``) show what the package computes for the objects given.
+"""The chapters' diagrams (``llmscratch.drawing``) show what the package computes for the objects given.
 
 Each test reads the drawn texts and shapes back from the figure (a box's text carries a ``gid`` naming
 its role) and holds them to the package: the tokenizer's ``encode``, the dataset's windows, the
@@ -17,13 +17,18 @@ import torch
 import torch.nn.functional as F
 from matplotlib.patches import Rectangle
 
-from llmscratch import figures
-from llmscratch.attention import MultiHeadAttention
-from llmscratch.data import SlidingWindowDataset
-from llmscratch.lora import LoRALinear
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.preference import dpo_loss
-from llmscratch.tokenizer import BPETokenizer
+from llmscratch import drawing
+from llmscratch.alignment import figures as alignment_figures
+from llmscratch.alignment.preference import dpo_loss
+from llmscratch.finetuning import figures as finetuning_figures
+from llmscratch.finetuning.lora import LoRALinear
+from llmscratch.model import figures as model_figures
+from llmscratch.model.attention import MultiHeadAttention
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.text import figures as text_figures
+from llmscratch.text.data import SlidingWindowDataset
+from llmscratch.text.tokenizer import BPETokenizer
 
 SMALL_TEXT = "the whale's whalebone; the whaler's boat. " * 20
 
@@ -53,17 +58,17 @@ def labels(fig, gid, ax=None):
                                          ("small", " whalebone"), ("small", "whaler's 🐳")])
 def test_merge_tree_leaves_are_the_bytes_and_roots_what_encode_returns(which, word, gpt2, small_tokenizer):
     tokenizer = gpt2 if which == "gpt2" else small_tokenizer
-    fig = figures.draw_merge_tree(tokenizer, word)
-    assert labels(fig, "leaf") == [figures.visible(bytes([b])) for b in word.encode("utf-8")]
+    fig = text_figures.draw_merge_tree(tokenizer, word)
+    assert labels(fig, "leaf") == [drawing.visible(bytes([b])) for b in word.encode("utf-8")]
     tokens = tokenizer.encode(word)
-    assert labels(fig, "token") == [f"{figures.visible(tokenizer.decode_bytes([i]))}\n{i}" for i in tokens]
+    assert labels(fig, "token") == [f"{drawing.visible(tokenizer.decode_bytes([i]))}\n{i}" for i in tokens]
     assert len(texts(fig, "merge")) == len(word.encode("utf-8")) - len(tokens)  # each merge joins two pieces
 
 
 @pytest.mark.parametrize("word", [" naïve", " unaccountable", " tattooing"])
 def test_merge_tree_rows_replay_encode_merge_by_merge(word, gpt2):
     """Within one pre-split chunk, applying the rows' merges in order, each at its leftmost place, is encode."""
-    fig = figures.draw_merge_tree(gpt2, word)
+    fig = text_figures.draw_merge_tree(gpt2, word)
     ticks = [label.get_text() for label in fig.axes[0].get_yticklabels()]
     merged_ids = [int(tick.rsplit("id ", 1)[1]) for tick in ticks[1:-1]]
     pair_of = {new_id: pair for pair, new_id in gpt2.merges.items()}
@@ -73,14 +78,14 @@ def test_merge_tree_rows_replay_encode_merge_by_merge(word, gpt2):
         at = [i for i in range(len(ids) - 1) if (ids[i], ids[i + 1]) == pair_of[new_id]][0]
         ids[at : at + 2] = [new_id]
         row = [t for t in fig.axes[0].texts if t.get_gid() == "merge" and t.get_position()[1] == step]
-        assert [t.get_text() for t in row] == [figures.visible(gpt2.vocab[new_id])]
+        assert [t.get_text() for t in row] == [drawing.visible(gpt2.vocab[new_id])]
     assert ids == gpt2.encode(word)
 
 
 def test_merge_tree_of_a_word_with_one_token(small_tokenizer):
     word = " whalebone"
     assert len(small_tokenizer.encode(word)) == 1
-    fig = figures.draw_merge_tree(small_tokenizer, word)
+    fig = text_figures.draw_merge_tree(small_tokenizer, word)
     assert len(texts(fig, "merge")) == len(word) - 1
 
 
@@ -88,7 +93,7 @@ def test_merge_tree_of_a_word_with_one_token(small_tokenizer):
 @pytest.mark.parametrize("max_length, stride", [(5, 3), (4, 4), (3, 1)])
 def test_sliding_windows_show_each_window_where_it_starts(max_length, stride):
     dataset = SlidingWindowDataset(list(range(100, 117)), max_length=max_length, stride=stride)
-    fig = figures.draw_sliding_windows(dataset)
+    fig = text_figures.draw_sliding_windows(dataset)
     for window in range(len(dataset)):
         inputs, targets = dataset[window]
         for name, ids, first in (("inputs", inputs, window * stride), ("targets", targets, window * stride + 1)):
@@ -101,8 +106,8 @@ def test_sliding_windows_show_each_window_where_it_starts(max_length, stride):
 
 def test_sliding_windows_label_the_stream_with_the_tokens(gpt2):
     ids = gpt2.encode("Call me Ishmael. Some years ago")
-    fig = figures.draw_sliding_windows(SlidingWindowDataset(ids, max_length=3, stride=2), gpt2, n_windows=2)
-    assert labels(fig, "stream") == [f"{figures.visible(gpt2.decode_bytes([i]))}\n{i}" for i in ids[:6]]
+    fig = text_figures.draw_sliding_windows(SlidingWindowDataset(ids, max_length=3, stride=2), gpt2, n_windows=2)
+    assert labels(fig, "stream") == [f"{drawing.visible(gpt2.decode_bytes([i]))}\n{i}" for i in ids[:6]]
     assert texts(fig, "inputs 1") and not texts(fig, "inputs 2")
 
 
@@ -114,8 +119,8 @@ SHAPES = [(8, 2), (6, 3), (4, 1), (4, 4)]
 def test_grouped_query_links_each_query_head_to_its_kv_head(n_heads, n_kv_heads):
     attention = MultiHeadAttention(4 * n_heads, 4 * n_heads, n_heads, n_kv_heads)
     group = n_heads // n_kv_heads
-    assert figures.kv_head_of_each_query(attention) == [h // group for h in range(n_heads)]
-    fig = figures.draw_grouped_query(attention)
+    assert model_figures.kv_head_of_each_query(attention) == [h // group for h in range(n_heads)]
+    fig = model_figures.draw_grouped_query(attention)
     queries, kvs = texts(fig, "query"), texts(fig, "kv")
     assert [t.get_text() for t in queries] == [f"q{h}" for h in range(n_heads)]
     assert [t.get_text() for t in kvs] == [f"kv{g}" for g in range(n_kv_heads)]
@@ -133,7 +138,7 @@ def test_grouped_query_links_each_query_head_to_its_kv_head(n_heads, n_kv_heads)
 
 def test_grouped_query_draws_one_panel_per_module():
     modules = [MultiHeadAttention(32, 32, 8, n) for n in (8, 2, 1)]
-    fig = figures.draw_grouped_query(*modules)
+    fig = model_figures.draw_grouped_query(*modules)
     assert [len(texts(fig, "kv", ax)) for ax in fig.axes] == [8, 2, 1]
     assert [len(ax.lines) for ax in fig.axes] == [8, 8, 8]
 
@@ -142,7 +147,7 @@ def test_grouped_query_draws_one_panel_per_module():
 def test_attention_flow_is_labelled_with_the_module_shapes(d_model, n_heads, n_kv_heads, seq_len):
     attention = MultiHeadAttention(d_model, d_model, n_heads, n_kv_heads)
     head_dim, group = d_model // n_heads, n_heads // n_kv_heads
-    fig = figures.draw_attention_flow(attention, seq_len)
+    fig = model_figures.draw_attention_flow(attention, seq_len)
     assert sorted(labels(fig, "q head")) == sorted(f"q{h} (B, {seq_len}, {head_dim})" for h in range(n_heads))
     assert len(texts(fig, "k head")) == len(texts(fig, "v head")) == n_kv_heads
     assert labels(fig, "Q") == [f"Q (B, {seq_len}, {d_model})"]
@@ -160,7 +165,7 @@ def test_gpt_diagram_reads_its_labels_off_each_model():
     llama_like = GPTConfig(vocab_size=120, context_length=16, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2,
                            d_ff=48, norm="rmsnorm", mlp="swiglu", position="rope", tie_embeddings=False)
     models = [GPT(gpt2_like), GPT(llama_like)]
-    fig = figures.draw_gpt(*models)
+    fig = model_figures.draw_gpt(*models)
     first, second = fig.axes
     assert labels(fig, "repeat", first) == ["× 3 blocks"] and labels(fig, "repeat", second) == ["× 5 blocks"]
     assert labels(fig, "norm", first) == ["attn_norm: LayerNorm", "mlp_norm: LayerNorm"]
@@ -179,7 +184,7 @@ def test_gpt_diagram_reads_its_labels_off_each_model():
 @pytest.mark.parametrize("d_in, d_out, rank, alpha", [(256, 768, 8, 16), (10, 6, 2, 3), (64, 64, 4, 4)])
 def test_lora_diagram_carries_the_layer_shapes_and_counts(d_in, d_out, rank, alpha):
     layer = LoRALinear(torch.nn.Linear(d_in, d_out, bias=False), rank=rank, alpha=alpha)
-    fig = figures.draw_lora(layer)
+    fig = finetuning_figures.draw_lora(layer)
     assert labels(fig, "W") == [f"W: {d_out} × {d_in}\nfrozen: {d_out * d_in:,}"]
     assert labels(fig, "A") == [f"A: {rank} × {d_in}\ntrained: {rank * d_in:,}"]
     assert labels(fig, "B") == [f"B: {d_out} × {rank}\ntrained: {d_out * rank:,}"]
@@ -192,7 +197,7 @@ def test_lora_diagram_carries_the_layer_shapes_and_counts(d_in, d_out, rank, alp
 # --------------------------------------------------------------------------- DPO
 def test_dpo_curves_are_the_package_loss_at_each_margin():
     betas, margins = (0.05, 0.3, 2.0), torch.linspace(-6, 6, 13)
-    fig = figures.draw_dpo_loss(betas, margins)
+    fig = alignment_figures.draw_dpo_loss(betas, margins)
     curves = {line.get_gid(): line for line in fig.axes[0].lines if line.get_gid()}
     assert sorted(curves) == sorted(f"beta {beta:g}" for beta in betas)
     zero = torch.zeros(1)
@@ -209,7 +214,7 @@ def test_expert_load_bands_are_the_logged_shares():
     steps = [100, 200, 300]
     loads = [[[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]], [[0.4, 0.3, 0.3], [0.3, 0.3, 0.4]],
              [[1 / 3, 1 / 3, 1 / 3], [0.1, 0.1, 0.8]]]  # 3 evaluations x 2 layers x 3 experts
-    fig = figures.draw_expert_load(steps, loads, "a run")
+    fig = model_figures.draw_expert_load(steps, loads, "a run")
     assert [ax.get_title() for ax in fig.axes] == ["layer 0", "layer 1"]
     for layer, ax in enumerate(fig.axes):
         bands = [c for c in ax.collections if c.get_gid() == f"layer {layer}"]
@@ -225,11 +230,11 @@ def test_every_figure_renders_with_no_missing_glyph(gpt2, small_tokenizer):
     attention = MultiHeadAttention(16, 16, 4, 2)
     model = GPT(GPTConfig.from_preset("llama-tiny", vocab_size=64, n_layers=1))
     layer = LoRALinear(torch.nn.Linear(8, 12), rank=2, alpha=4)
-    drawn = [figures.draw_merge_tree(gpt2, " déjà vu 🐳\n"), figures.draw_merge_tree(small_tokenizer, "$x$ whale"),
-             figures.draw_sliding_windows(SlidingWindowDataset(gpt2.encode("a b c d e f g"), 3, 2), gpt2),
-             figures.draw_attention_flow(attention, 5), figures.draw_grouped_query(attention),
-             figures.draw_gpt(model), figures.draw_lora(layer), figures.draw_dpo_loss((0.1, 0.5)),
-             figures.draw_expert_load([1, 2], [[[0.5, 0.5]], [[0.3, 0.7]]], "2 experts")]
+    drawn = [text_figures.draw_merge_tree(gpt2, " déjà vu 🐳\n"), text_figures.draw_merge_tree(small_tokenizer, "$x$ whale"),
+             text_figures.draw_sliding_windows(SlidingWindowDataset(gpt2.encode("a b c d e f g"), 3, 2), gpt2),
+             model_figures.draw_attention_flow(attention, 5), model_figures.draw_grouped_query(attention),
+             model_figures.draw_gpt(model), finetuning_figures.draw_lora(layer), alignment_figures.draw_dpo_loss((0.1, 0.5)),
+             model_figures.draw_expert_load([1, 2], [[[0.5, 0.5]], [[0.3, 0.7]]], "2 experts")]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Glyph ... missing from font" is a warning
         for fig in drawn:

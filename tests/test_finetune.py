@@ -9,25 +9,52 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from llmscratch.assets import read_instructions  # noqa: E402
-from llmscratch.checkpoint import export_model, save_checkpoint  # noqa: E402
-from llmscratch.classify import (  # noqa: E402
-    Classifier, GPTClassifier, balanced_splits, classification_loss, classification_metrics,
-    evaluate_classifier, make_batches, pad_batch, spam_splits,
-)
-from llmscratch.config import LoRAConfig  # noqa: E402
-from llmscratch.finetune import FinetuneConfig, fit, load_base, set_trainable  # noqa: E402
-from llmscratch.instruct import (  # noqa: E402
-    HEADER, IGNORE_INDEX, Replay, Response, collate, comparison_table, encode_records, evaluate_responses,
-    format_prompt, lm_loss, lm_loss_with_replay, parse_response, respond, response_loss, validate_records,
-)
-from llmscratch.lora import apply_lora, lora_layers  # noqa: E402
-from llmscratch.model import count_parameters  # noqa: E402
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.tokenizer import BPETokenizer  # noqa: E402
-from llmscratch.train import TrainingDiverged  # noqa: E402
-from llmscratch.weights import save_hf  # noqa: E402
 from model_fixtures import successor_model  # noqa: E402
+
+from llmscratch.assets import read_instructions  # noqa: E402
+from llmscratch.finetuning.classify import (
+    Classifier,
+    GPTClassifier,
+    balanced_splits,
+    classification_loss,
+    classification_metrics,
+    evaluate_classifier,
+    make_batches,
+    pad_batch,
+    spam_splits,
+)
+from llmscratch.finetuning.config import (
+    FinetuneConfig,  # noqa: E402
+    LoRAConfig,  # noqa: E402
+)
+from llmscratch.finetuning.finetune import fit, load_base, set_trainable
+from llmscratch.finetuning.instruct import (
+    HEADER,
+    Replay,
+    Response,
+    collate,
+    comparison_table,
+    encode_records,
+    evaluate_responses,
+    format_prompt,
+    lm_loss,
+    lm_loss_with_replay,
+    parse_response,
+    respond,
+    response_loss,
+    validate_records,
+)
+from llmscratch.finetuning.lora import apply_lora, lora_layers  # noqa: E402
+from llmscratch.interrupt import TrainingDiverged  # noqa: E402
+from llmscratch.model.checkpoint import export_model, save_checkpoint  # noqa: E402
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.gpt import (
+    GPT,
+    count_parameters,  # noqa: E402
+)
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.model.weights import save_hf  # noqa: E402
+from llmscratch.text.tokenizer import BPETokenizer  # noqa: E402
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),

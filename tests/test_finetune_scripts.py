@@ -1,4 +1,4 @@
-"""The chapter 5 scripts end to end in --test-mode, on a tiny checkpoint written by llmscratch.train."""
+"""The chapter 5 scripts end to end in --test-mode, on a tiny checkpoint written by llmscratch.training.train."""
 
 import json
 import os
@@ -13,16 +13,19 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from llmscratch.assets import INSTRUCTIONS_PATH, PRETRAINED_PATH, read_moby_dick  # noqa: E402
-from llmscratch.checkpoint import export_model, model_from_checkpoint  # noqa: E402
-from llmscratch.classify import Classifier  # noqa: E402
-from llmscratch.finetune import load_base  # noqa: E402
-from llmscratch.lora import load_adapters, lora_layers  # noqa: E402
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.tokenizer import BPETokenizer  # noqa: E402
-from llmscratch.train import Trainer, TrainConfig  # noqa: E402
-from llmscratch.weights import save_hf  # noqa: E402
 from processes import run as run_process  # noqa: E402
+
+from llmscratch.assets import INSTRUCTIONS_PATH, PRETRAINED_PATH, read_moby_dick  # noqa: E402
+from llmscratch.finetuning.classify import Classifier  # noqa: E402
+from llmscratch.finetuning.finetune import load_base  # noqa: E402
+from llmscratch.finetuning.lora import load_adapters, lora_layers  # noqa: E402
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint  # noqa: E402
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import save_hf  # noqa: E402
+from llmscratch.text.tokenizer import BPETokenizer  # noqa: E402
+from llmscratch.training.config import TrainConfig  # noqa: E402
+from llmscratch.training.train import Trainer
 
 CHAPTER = Path(__file__).resolve().parents[1] / "ch05-finetuning"
 

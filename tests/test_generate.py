@@ -11,15 +11,22 @@ from torch._dynamo.utils import counters
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
 
 import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
+from model_fixtures import LATER_SHAPES, randomize, successor_model  # noqa: E402
 
-from llmscratch.generate import (  # noqa: E402
-    compiled_decode_one_token, generate, generate_text, sample_next_token, stream, stream_text, top_k_filter,
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.generate import (
+    compiled_decode_one_token,
+    generate,
+    generate_text,
+    sample_next_token,
+    stream,
+    stream_text,
+    top_k_filter,
     top_p_filter,
 )
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
-from llmscratch.weights import load_hf  # noqa: E402
-from model_fixtures import LATER_SHAPES, randomize, successor_model  # noqa: E402
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import load_hf  # noqa: E402
+from llmscratch.text.tokenizer import BPETokenizer, gpt2_encoding  # noqa: E402
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),

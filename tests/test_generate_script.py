@@ -12,14 +12,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
 
 import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
+from model_fixtures import randomize  # noqa: E402
 
 from llmscratch.assets import read_moby_dick  # noqa: E402
-from llmscratch.checkpoint import export_model, save_checkpoint  # noqa: E402
-from llmscratch.generate import generate_text  # noqa: E402
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.tokenizer import BPETokenizer  # noqa: E402
-from llmscratch.weights import load_model_and_tokenizer, save_hf  # noqa: E402
-from model_fixtures import randomize  # noqa: E402
+from llmscratch.model.checkpoint import export_model, save_checkpoint  # noqa: E402
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.generate import generate_text  # noqa: E402
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import load_model_and_tokenizer, save_hf  # noqa: E402
+from llmscratch.text.tokenizer import BPETokenizer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch03-architecture" / "generate.py"
 PROMPT = "Call me Ishmael. Some years ago"

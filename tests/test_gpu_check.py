@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import run as run_process
 
 from benchmarks import gpu
-from processes import run as run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""llmscratch.grpo: rewards, group advantages, the clipped objective, the KL estimate, pass@k, the update,
+"""llmscratch.alignment.grpo: rewards, group advantages, the clipped objective, the KL estimate, pass@k, the update,
 and ch06-alignment/finetune_rl.py end to end, each against an independent computation."""
 
 import itertools
@@ -12,20 +12,34 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from llmscratch.assets import read_instructions
-from llmscratch.checkpoint import export_model, model_from_checkpoint
-from llmscratch.config import ConfigError, GRPOConfig
-from llmscratch.grpo import (
-    Group, answer_logprobs, clipped_objective, group_advantages, grpo_loss, is_formed, kl_penalty, normalise, pass_at_k,
-    pass_at_k_scores, reward, rollout_batch, sample_groups, train_grpo,
-)
-from llmscratch.instruct import Response, format_prompt
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.preference import token_logprobs
-from llmscratch.tokenizer import BPETokenizer
 from processes import run as run_process
+
+from llmscratch.alignment.config import GRPOConfig
+from llmscratch.alignment.grpo import (
+    Group,
+    answer_logprobs,
+    clipped_objective,
+    group_advantages,
+    grpo_loss,
+    is_formed,
+    kl_penalty,
+    normalise,
+    pass_at_k,
+    pass_at_k_scores,
+    reward,
+    rollout_batch,
+    sample_groups,
+    train_grpo,
+)
+from llmscratch.alignment.preference import token_logprobs
+from llmscratch.assets import read_instructions
+from llmscratch.config import ConfigError
+from llmscratch.finetuning.instruct import Response, format_prompt
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.text.tokenizer import BPETokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "finetune_rl.py"
 pytestmark = pytest.mark.timeout(180)
@@ -194,7 +208,7 @@ def test_sampled_groups_end_at_the_first_end_of_text_and_repeat_with_the_seed(ti
 def test_pass_at_k_scores_count_right_samples_per_family(tiny, monkeypatch):
     model, tokenizer, _ = tiny
     records = [r for r in read_instructions() if r["split"] == "test"][:26:2]
-    import llmscratch.grpo as grpo
+    import llmscratch.alignment.grpo as grpo
 
     def fake_groups(model, tokenizer, records, samples, *args, **kwargs):  # the first `i % (samples + 1)` are right
         return [Group(r, [], [[]] * samples, [Response(r["output"] if j < i % (samples + 1) else "no", True, False)

@@ -12,12 +12,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
 
 import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
-
-from llmscratch.generate import generate  # noqa: E402
-from llmscratch.hf_formats import config_from_hf, family_of  # noqa: E402
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.weights import load_hf, save_hf  # noqa: E402
 from model_fixtures import randomize  # noqa: E402
+
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.generate import generate  # noqa: E402
+from llmscratch.model.gpt import GPT
+from llmscratch.model.hf_formats import config_from_hf, family_of  # noqa: E402
+from llmscratch.model.weights import load_hf, save_hf  # noqa: E402
 
 TOLERANCE = 1e-4  # max |logit difference| in float32
 
@@ -205,7 +206,7 @@ def test_experts_load_from_the_stacked_tensors_transformers_keeps_in_memory(tmp_
     file written that way loads as the hub's one-matrix-per-expert file does."""
     from safetensors.torch import load_file
 
-    from llmscratch.hf_formats import hf_to_ours
+    from llmscratch.model.hf_formats import hf_to_ours
 
     hf_qwen3_moe().save_pretrained(tmp_path)
     per_expert = load_file(tmp_path / "model.safetensors")

@@ -1,4 +1,4 @@
-"""Hugging Face tokenizer.json files read as BPETokenizer (llmscratch.hf_tokenizer), each against the
+"""Hugging Face tokenizer.json files read as BPETokenizer (llmscratch.text.hf_tokenizer), each against the
 ``tokenizers`` library encoding the same file. The files are trained here, offline, in the layouts the hubs
 use: Qwen2/Qwen3's (a Split regex, NFC, a merge list in id order, added tokens), GPT-2's (ByteLevel's own
 regex) and Llama 3's (a vocabulary in tiktoken's rank order, several merges per token, ignore_merges)."""
@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from llmscratch.assets import read_moby_dick
-from llmscratch.hf_tokenizer import SentencePieceBPE, byte_level_alphabet, tokenizer_from_hf
-from llmscratch.generate import with_bos
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.tokenizer import BPETokenizer
-from llmscratch.weights import load_model_and_tokenizer, save_hf
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import with_bos
+from llmscratch.model.gpt import GPT
+from llmscratch.model.weights import load_model_and_tokenizer, save_hf
+from llmscratch.text.hf_tokenizer import byte_level_alphabet, load_tokenizer, tokenizer_from_hf
+from llmscratch.text.sentencepiece import SentencePieceBPE
+from llmscratch.text.tokenizer import BPETokenizer
 
 # Qwen2's and Qwen3's split pattern (one digit per chunk, case-insensitive contractions, newlines kept apart).
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -304,7 +306,7 @@ def test_gemma_keeps_its_roles_and_its_file(gemma, tmp_path):
     with pytest.raises(ValueError, match="special token '<end_of_turn>'"):
         ours.encode("<end_of_turn>")
     ours.save(tmp_path / "gemma.json")  # as a checkpoint keeps it
-    again = BPETokenizer.load(tmp_path / "gemma.json")
+    again = load_tokenizer(tmp_path / "gemma.json")
     text = TEXTS[2] + "<end_of_turn>"
     assert again.encode(text, allowed_special="all") == ours.encode(text, allowed_special="all")
     assert (again.eot_token, again.bos_id) == (1, 2)
@@ -330,9 +332,9 @@ def test_a_llama2_style_normalizer_is_named(tmp_path):
 
 
 def test_a_gemma_folder_loads_with_its_tokenizer_and_prompts_start_with_bos(tmp_path):
-    from llmscratch.evaluation import token_byte_lengths
-    from llmscratch.generate import prompt_ids
-    from llmscratch.instruct import encode_records
+    from llmscratch.finetuning.instruct import encode_records
+    from llmscratch.model.generate import prompt_ids
+    from llmscratch.training.evaluation import token_byte_lengths
 
     folder = gemma_folder(tmp_path)
     config = GPTConfig.from_preset("gemma3-1b", vocab_size=800, context_length=64, d_model=32, n_layers=2,

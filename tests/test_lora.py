@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.config import LoRAConfig
-from llmscratch.lora import LoRALinear, apply_lora, load_adapters, lora_layers, merge_lora, save_adapters
-from llmscratch.model import GPT, GPTConfig, count_parameters
+from llmscratch.finetuning.config import LoRAConfig
+from llmscratch.finetuning.lora import LoRALinear, apply_lora, load_adapters, lora_layers, merge_lora, save_adapters
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT, count_parameters
 
 TINY = {
     "gpt2": dict(vocab_size=97, context_length=24, d_model=32, n_layers=2, n_heads=4),

@@ -1,4 +1,4 @@
-"""The memory planner (llmscratch/memory.py) against real tensors: FSDP's local shards on 2 gloo processes, a
+"""The memory planner (llmscratch/training/memory.py) against real tensors: FSDP's local shards on 2 gloo processes, a
 single process's parameters, gradients and AdamW state, and the bytes autograd saves for backward."""
 
 import re
@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from processes import run, spawn
 from torch import nn
 
-from llmscratch.memory import STRATEGIES, activation_bytes, check_mesh, format_bytes, main, plan, shard_rows
-from llmscratch.model import GPT, GPTConfig
-from processes import run, spawn
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.training.memory import STRATEGIES, activation_bytes, check_mesh, format_bytes, main, plan, shard_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 _LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "qkv_bias": False, "bias": False}
@@ -234,7 +235,7 @@ def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
 
 @pytest.mark.timeout(120)
 def test_command_line_table_has_every_strategy_with_the_plans_numbers():
-    result = run([sys.executable, "-m", "llmscratch.memory", "--preset", "llama-mini", "--gpus", "2"],
+    result = run([sys.executable, "-m", "llmscratch.training.memory", "--preset", "llama-mini", "--gpus", "2"],
                  timeout=90, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.split()[:1] in [[s] for s in STRATEGIES]}

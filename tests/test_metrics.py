@@ -15,19 +15,19 @@ from rouge_score import rouge_scorer
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
-from llmscratch.metrics import (
+from llmscratch.alignment.metrics import (
     bleu,
-    exact_match,
     mean_rouge_l,
     multiple_choice_accuracy,
-    normalize_answer,
     rouge_l,
     score_choices,
     tokenize_13a,
     wilson_interval,
 )
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.tokenizer import BPETokenizer
+from llmscratch.finetuning.instruct import exact_match, normalize_answer
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.text.tokenizer import BPETokenizer
 
 
 # --------------------------------------------------------------------------- exact match

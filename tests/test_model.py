@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmscratch.model import GPT, PRESETS, GPTConfig
+from llmscratch.model.config import PRESETS, GPTConfig
+from llmscratch.model.gpt import GPT
 
 TINY_GPT2 = dict(vocab_size=97, context_length=24, d_model=32, n_layers=2, n_heads=4)
 TINY_LLAMA = dict(vocab_size=89, context_length=24, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2,

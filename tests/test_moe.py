@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from llmscratch.attention import MultiHeadAttention, causal_mask, positions_mask
-from llmscratch.config import ConfigError
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.moe import MoE, balance_loss, route
 from model_fixtures import LATER_SHAPES, randomize
+
+from llmscratch.config import ConfigError
+from llmscratch.model.attention import MultiHeadAttention, causal_mask, positions_mask
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.model.moe import MoE, balance_loss, route
 
 
 def moe_layer(n_experts=5, k=2, d=12, d_expert=7, **options) -> MoE:

@@ -46,9 +46,9 @@ QUOTED_ELSEWHERE = {
     ("ch04-pretraining/appendix.ipynb", "1.965"): "benchmarks/RESULTS.md",
     ("ch04-pretraining/appendix.ipynb", "0.002"): "benchmarks/RESULTS.md",
     ("ch04-pretraining/appendix.ipynb", "2.07"): "ch04-pretraining/pretraining.ipynb",
-    ("ch04-pretraining/appendix.ipynb", "3.4445"): "llmscratch/optim.py",
-    ("ch04-pretraining/appendix.ipynb", "4.7750"): "llmscratch/optim.py",
-    ("ch04-pretraining/appendix.ipynb", "2.0315"): "llmscratch/optim.py",
+    ("ch04-pretraining/appendix.ipynb", "3.4445"): "llmscratch/training/optim.py",
+    ("ch04-pretraining/appendix.ipynb", "4.7750"): "llmscratch/training/optim.py",
+    ("ch04-pretraining/appendix.ipynb", "2.0315"): "llmscratch/training/optim.py",
     ("ch05-finetuning/finetuning.ipynb", "1.967"): "ch04-pretraining/pretraining.ipynb",
     ("ch05-finetuning/finetuning.ipynb", "12.81"): "ch04-pretraining/appendix.ipynb",
     ("ch05-finetuning/finetuning.ipynb", "12.71"): "ch04-pretraining/appendix.ipynb",
@@ -89,10 +89,10 @@ QUOTED_ELSEWHERE = {
     ("ch07-deployment/deployment.ipynb", "2.38"): "benchmarks/RESULTS.md",
     ("ch07-deployment/deployment.ipynb", "2.44"): "benchmarks/RESULTS.md",
     ("ch07-deployment/deployment.ipynb", "1.81"): "benchmarks/RESULTS.md",
-    ("ch07-deployment/deployment.ipynb", "2.536"): "llmscratch/distill.py",
-    ("ch07-deployment/deployment.ipynb", "2.590"): "llmscratch/distill.py",
-    ("ch07-deployment/deployment.ipynb", "2.602"): "llmscratch/distill.py",
-    ("ch07-deployment/deployment.ipynb", "2.674"): "llmscratch/distill.py",
+    ("ch07-deployment/deployment.ipynb", "2.536"): "llmscratch/deployment/distill.py",
+    ("ch07-deployment/deployment.ipynb", "2.590"): "llmscratch/deployment/distill.py",
+    ("ch07-deployment/deployment.ipynb", "2.602"): "llmscratch/deployment/distill.py",
+    ("ch07-deployment/deployment.ipynb", "2.674"): "llmscratch/deployment/distill.py",
 }
 
 

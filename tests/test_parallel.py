@@ -13,16 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-from llmscratch import distributed
-from llmscratch.checkpoint import model_from_checkpoint
-from llmscratch.config import ConfigError, TrainConfig
-from llmscratch.distributed import DistInfo
-from llmscratch.model import GPT
-from llmscratch.parallel import checkpoint_activations, is_sharded, local_bytes
-from llmscratch.sharded_checkpoint import read_meta
-from llmscratch.train import Trainer
 from processes import spawn, torchrun
 from tiny_training import (
     DESIGNS,
@@ -40,6 +30,17 @@ from tiny_training import (
     train_config,
 )
 from tolerances import assert_adamw_runs_agree
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from llmscratch.config import ConfigError
+from llmscratch.model.checkpoint import model_from_checkpoint
+from llmscratch.model.gpt import GPT
+from llmscratch.training import distributed
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.distributed import DistInfo
+from llmscratch.training.parallel import checkpoint_activations, is_sharded, local_bytes
+from llmscratch.training.resume import read_meta
+from llmscratch.training.train import Trainer
 
 # A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
 SETTINGS = dict(batch_size=2, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,

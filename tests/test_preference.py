@@ -7,14 +7,7 @@ import math
 import pytest
 import torch
 
-from llmscratch.config import FinetuneConfig, LoRAConfig, TrainConfig
-from llmscratch.finetune import fit
-from llmscratch.instruct import format_prompt
-from llmscratch.lora import adapters_disabled, apply_lora, lora_layers
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.optim import OptimizerStep
-from llmscratch.preference import (
+from llmscratch.alignment.preference import (
     DPOLoss,
     PreferenceBatch,
     ReferenceModel,
@@ -28,7 +21,16 @@ from llmscratch.preference import (
     sequence_logprobs,
     validate_pairs,
 )
-from llmscratch.tokenizer import BPETokenizer
+from llmscratch.finetuning.config import FinetuneConfig, LoRAConfig
+from llmscratch.finetuning.finetune import fit
+from llmscratch.finetuning.instruct import format_prompt
+from llmscratch.finetuning.lora import adapters_disabled, apply_lora, lora_layers
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.text.tokenizer import BPETokenizer
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.optim import OptimizerStep
 
 TINY = {
     "gpt2": {"vocab_size": 97, "context_length": 32, "d_model": 32, "n_layers": 2, "n_heads": 4},

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.corpus import prepare_token_files
-from llmscratch.tokenizer import BPETokenizer
 from processes import start_until_lines
 from scripts import run_script
 from tiny_training import PRETRAIN, PRETRAIN_FLAGS, TEXT, pretrain_with_hook
+
+from llmscratch.model.checkpoint import load_checkpoint, model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.text.corpus import prepare_token_files
+from llmscratch.text.tokenizer import BPETokenizer
 
 
 @pytest.fixture
@@ -191,10 +191,10 @@ def test_the_bundled_pretrained_model_is_the_default_runs(tmp_path):
     command pins --dtype bfloat16 (the dtype changes the run, not the model's config).
     """
     from llmscratch.assets import PRETRAINED_PATH, read_pretraining_metrics
-    from llmscratch.config import TrainConfig
-    from llmscratch.evaluation import evaluate, token_byte_lengths
-    from llmscratch.model import GPTConfig
-    from llmscratch.optim import learning_rate
+    from llmscratch.model.config import GPTConfig
+    from llmscratch.training.config import TrainConfig
+    from llmscratch.training.evaluation import evaluate, token_byte_lengths
+    from llmscratch.training.optim import learning_rate
 
     # The default run as the script starts it, stopped after its first step with what it trains and holds out.
     seen = tmp_path / "default_run.pt"

@@ -1,4 +1,4 @@
-"""llmscratch.prune: magnitude pruning against numpy, structured pruning against the masked original model,
+"""llmscratch.deployment.prune: magnitude pruning against numpy, structured pruning against the masked original model,
 Taylor importance against finite differences."""
 import copy
 
@@ -7,12 +7,21 @@ import pytest
 import torch
 from torch import nn
 
-from llmscratch.checkpoint import export_model, model_from_checkpoint, save_checkpoint
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.prune import (block_linears, importance, layer_sparsity, least_important, magnitude_prune,
-                              plot_sparsity_sweep, prune_structured, recover)
-from llmscratch.quantize import quantize
+from llmscratch.deployment.prune import (
+    block_linears,
+    importance,
+    layer_sparsity,
+    least_important,
+    magnitude_prune,
+    plot_sparsity_sweep,
+    prune_structured,
+    recover,
+)
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint, save_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
+from llmscratch.model.quantize import quantize
 from tests import tiny_training
 from tests.model_fixtures import randomize
 

@@ -1,4 +1,4 @@
-"""llmscratch.quantize: int8 and int4 weights against a float64 numpy reference, and quantized GPTs."""
+"""llmscratch.model.quantize: int8 and int4 weights against a float64 numpy reference, and quantized GPTs."""
 import copy
 import json
 import subprocess
@@ -10,12 +10,27 @@ import pytest
 import torch
 from torch import nn
 
-from llmscratch.checkpoint import CHECKSUM_KEY, export_model, model_from_checkpoint, read_safetensors, write_safetensors
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.quantize import (CHUNK_ROWS, KERNEL_ROWS, SCHEMES, QuantizedLinear, dequantize_int4, dequantize_int8,
-                                 from_word_order, native_dequantize, native_word_product, quantize, quantize_int4,
-                                 quantize_int8, to_word_order, word_product)
+from llmscratch.files import CHECKSUM_KEY, read_safetensors, write_safetensors
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
+from llmscratch.model.quantize import (
+    CHUNK_ROWS,
+    KERNEL_ROWS,
+    SCHEMES,
+    QuantizedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    from_word_order,
+    native_dequantize,
+    native_word_product,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    to_word_order,
+    word_product,
+)
 from tests.model_fixtures import randomize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,7 +316,7 @@ def test_the_kernel_writes_float32_whatever_the_default_dtype():
 KERNEL_FALLBACK = """
 import json, warnings, torch
 from torch import nn
-from llmscratch.quantize import QuantizedLinear, native_word_product
+from llmscratch.model.quantize import QuantizedLinear, native_word_product
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     layer = QuantizedLinear(nn.Linear(64, 8), "int8")

@@ -10,22 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from processes import run as run_process
 from torch import nn
 
-from llmscratch.assets import (
-    MOBY_CLOZE_PATH,
-    PRETRAINED_PATH,
-    read_instructions,
-    read_moby_dick,
-)
-from llmscratch.checkpoint import export_model, model_from_checkpoint, tokenizer_from_checkpoint
-from llmscratch.classify import SPAM_LABELS, Classifier, GPTClassifier, spam_splits
-from llmscratch.evaluation import evaluate, token_byte_lengths
-from llmscratch.instruct import format_prompt
-from llmscratch.metrics import multiple_choice_accuracy
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.quantize import quantize
-from llmscratch.report import (
+from llmscratch.alignment.metrics import multiple_choice_accuracy
+from llmscratch.alignment.report import (
     TEST_MODE_ITEMS,
     WEIGHTS_ROW,
     Benchmarks,
@@ -38,8 +27,15 @@ from llmscratch.report import (
     score_model,
     weights_summary,
 )
-from llmscratch.tokenizer import BPETokenizer
-from processes import run as run_process
+from llmscratch.assets import MOBY_CLOZE_PATH, PRETRAINED_PATH, read_instructions, read_moby_dick
+from llmscratch.finetuning.classify import SPAM_LABELS, Classifier, GPTClassifier, spam_splits
+from llmscratch.finetuning.instruct import format_prompt
+from llmscratch.model.checkpoint import export_model, model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.model.quantize import quantize
+from llmscratch.text.tokenizer import BPETokenizer
+from llmscratch.training.evaluation import evaluate, token_byte_lengths
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "evaluate.py"
 TESTS = [r for r in read_instructions() if r["split"] == "test"]

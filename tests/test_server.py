@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (llmscratch.server) through real HTTP on 127.0.0.1: the official openai client,
+"""The OpenAI-compatible server (llmscratch.deployment.server) through real HTTP on 127.0.0.1: the official openai client,
 streaming, concurrency, keys, rate limit, a full queue, malformed requests and clients that leave.
 
 Every server runs in a thread with start and stop deadlines (tests/serving.py); every client call has a timeout
@@ -18,15 +18,15 @@ import httpx
 import openai
 import pytest
 import torch
-
-from llmscratch.cli import DEFAULT_MODELS
-from llmscratch.engine import Engine
-from llmscratch.generate import generate
-from llmscratch.instruct import format_chat
-from llmscratch.server import create_app
-from llmscratch.weights import load_model_and_tokenizer
 from scripts import SCRIPTS, run_script
 from serving import free_port, running_server
+
+from llmscratch.cli import DEFAULT_MODELS
+from llmscratch.deployment.engine import Engine
+from llmscratch.deployment.server import create_app
+from llmscratch.finetuning.instruct import format_chat
+from llmscratch.model.generate import generate
+from llmscratch.model.weights import load_model_and_tokenizer
 
 pytestmark = [pytest.mark.timeout(300)]
 TIMEOUT = 60.0

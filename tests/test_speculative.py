@@ -14,16 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from llmscratch import speculative
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.speculative import (
-    accept_draft, accept_greedy, acceptance_probability, expected_tokens_per_round, predicted_speedup,
-    residual_distribution, speculative_generate,
-)
 from model_fixtures import randomize
 from processes import run
+
+from llmscratch.deployment import speculative
+from llmscratch.deployment.speculative import (
+    accept_draft,
+    accept_greedy,
+    acceptance_probability,
+    expected_tokens_per_round,
+    predicted_speedup,
+    residual_distribution,
+    speculative_generate,
+)
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
 
 TINY = {  # a GPT-2-style model and a Llama-style one with grouped-query attention and RoPE
     "gpt2": dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4),
@@ -390,7 +396,7 @@ def test_bad_arguments_are_named(change, message):
 @pytest.mark.timeout(120)
 def test_the_benchmark_refuses_a_draft_of_another_vocabulary(tmp_path):
     """Exit status 2 and a message naming the vocabularies, before any training or timing."""
-    from llmscratch.checkpoint import export_model
+    from llmscratch.model.checkpoint import export_model
 
     export_model(tiny("gpt2"), tmp_path / "other.safetensors")
     root = Path(__file__).resolve().parents[1]

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from benchmarks.pretrain_quality import crossing_seconds, markdown_table, speedrun_table, value_at_seconds
-from llmscratch.attention import MultiHeadAttention
 from llmscratch.exercises import ch02
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.parallel import apply_tp
-from llmscratch.weights import family_of
+from llmscratch.model.attention import MultiHeadAttention
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.model.hf_formats import family_of
+from llmscratch.training.parallel import apply_tp
 
 
 def package_qk_norm(attention: MultiHeadAttention) -> MultiHeadAttention:
@@ -118,7 +119,8 @@ def test_squared_relu_mlp_against_a_float64_computation():
 
 
 def test_checkpoints_from_before_the_new_fields_still_load():
-    from llmscratch.checkpoint import check_model_config, config_from_dict
+    from llmscratch.model.checkpoint import config_from_dict
+    from llmscratch.training.resume import check_model_config
 
     old = {k: v for k, v in tiny_config().to_dict().items() if k not in ("qk_norm", "zero_init_residual")}
     assert config_from_dict(old) == tiny_config()  # the fields it lacks take their defaults

@@ -1,4 +1,4 @@
-"""The rule mistakes of llmscratch.tasks, and ch06-alignment/make_preference_data.py: the preference pairs, the
+"""The rule mistakes of llmscratch.alignment.tasks, and ch06-alignment/make_preference_data.py: the preference pairs, the
 multiple-choice set and its chance level, --check, and answers made by a (tiny) model."""
 
 import hashlib
@@ -14,22 +14,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import run as run_process
 
-from llmscratch import tasks
+from llmscratch.alignment import tasks
 from llmscratch.assets import (
     INSTRUCTION_ANSWERS_PATH,
     INSTRUCTION_CHOICES_PATH,
     PREFERENCES_PATH,
-    read_instructions,
     dumps_records,
+    read_instructions,
     read_moby_dick,
 )
-from llmscratch.checkpoint import export_model
-from llmscratch.metrics import normalize_answer
-from llmscratch.instruct import format_prompt
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.tokenizer import BPETokenizer
-from processes import run as run_process
+from llmscratch.finetuning.instruct import format_prompt, normalize_answer
+from llmscratch.model.checkpoint import export_model
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.text.tokenizer import BPETokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "make_preference_data.py"
 RECORDS = read_instructions()

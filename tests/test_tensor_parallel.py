@@ -24,13 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from llmscratch import distributed, memory
-from llmscratch.checkpoint import model_from_checkpoint
-from llmscratch.config import ConfigError, TrainConfig
-from llmscratch.distributed import DistInfo
-from llmscratch.model import GPT
-from llmscratch.parallel import fused_qkv_state, local_bytes
-from llmscratch.train import Trainer
+from llmscratch.config import ConfigError
+from llmscratch.model.checkpoint import model_from_checkpoint
+from llmscratch.model.gpt import GPT
+from llmscratch.training import distributed, memory
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.distributed import DistInfo
+from llmscratch.training.parallel import fused_qkv_state, local_bytes
+from llmscratch.training.train import Trainer
 
 # A constant learning rate: a run resumed with a larger max_steps keeps the schedule it had.
 SETTINGS = dict(batch_size=4, grad_accum=2, lr=3e-3, min_lr=3e-3, warmup_steps=0, eval_interval=3,

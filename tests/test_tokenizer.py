@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from llmscratch.assets import GPT2_RANKS_PATH, MOBY_DICK_PATH, SMS_SPAM_PATH, read_moby_dick
-from llmscratch.bpe import merge_by_scanning, merge_rank_by_rank
-from llmscratch.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer, gpt2_encoding
+from llmscratch.text.bpe import merge_by_scanning, merge_rank_by_rank
+from llmscratch.text.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer, gpt2_encoding
 
 ADVERSARIAL = [
     "",

@@ -7,15 +7,17 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from llmscratch.checkpoint import load_checkpoint, model_from_checkpoint
-from llmscratch.device import choose_dtype
-from llmscratch.evaluation import bits_per_byte, evaluate, token_byte_lengths
-from llmscratch.flops import cpu_peak_flops, gpu_peak_flops
-from llmscratch.model import evaluating
-from llmscratch.train import TrainConfig, TrainingDiverged, configure_optimizer, learning_rate
 from tiny_training import losses, make_trainer, model_config, tokenizer, tokens
 from tolerances import assert_adamw_runs_agree
+
+from llmscratch.device import choose_dtype
+from llmscratch.interrupt import TrainingDiverged
+from llmscratch.model.checkpoint import load_checkpoint, model_from_checkpoint
+from llmscratch.model.gpt import evaluating
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.evaluation import bits_per_byte, evaluate, token_byte_lengths
+from llmscratch.training.flops import cpu_peak_flops, gpu_peak_flops
+from llmscratch.training.optim import configure_optimizer, learning_rate
 
 
 class Interrupt(Exception):
@@ -214,7 +216,7 @@ def test_wsd_schedule_matches_the_written_out_reference(max_steps, warmup, fract
 
 
 def test_optimizer_decays_matrices_only():
-    from llmscratch.model import GPT
+    from llmscratch.model.gpt import GPT
 
     model = GPT(model_config())
     optimizer = configure_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
@@ -228,7 +230,7 @@ def test_optimizer_decays_matrices_only():
 
 @pytest.mark.parametrize("batch_size", [3, 4])  # 6 windows: whole batches, or a padded last batch
 def test_bits_per_byte_against_a_hand_count(batch_size):
-    from llmscratch.model import GPT
+    from llmscratch.model.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(model_config())
@@ -288,6 +290,6 @@ def test_dtype_choice_and_peaks(tmp_path, monkeypatch):
     # The CPU ceiling is the best measurement so far, cached: a busy moment cannot lower it.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     measurements = iter([5e10, 3e10, 6e10])
-    monkeypatch.setattr("llmscratch.flops.measure_matmul_flops", lambda dtype: next(measurements))
+    monkeypatch.setattr("llmscratch.training.flops.measure_matmul_flops", lambda dtype: next(measurements))
     assert [cpu_peak_flops(torch.float32) for _ in range(3)] == [5e10, 5e10, 6e10]
     assert list(json.loads((tmp_path / "llmscratch" / "peak_flops.json").read_text()).values()) == [6e10]

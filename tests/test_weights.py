@@ -10,10 +10,12 @@ from safetensors.torch import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach for the hub here
 
 import transformers  # noqa: E402  (a test-only dependency, in requirements.txt)
-
-from llmscratch.model import GPT, GPTConfig  # noqa: E402
-from llmscratch.weights import config_from_hf, download_gpt2, load_hf, save_hf  # noqa: E402
 from model_fixtures import randomize  # noqa: E402
+
+from llmscratch.model.config import GPTConfig  # noqa: E402
+from llmscratch.model.gpt import GPT
+from llmscratch.model.hf_formats import config_from_hf  # noqa: E402
+from llmscratch.model.weights import download_gpt2, load_hf, save_hf
 
 
 def hf_gpt2(tie: bool = True, **shape):
@@ -201,7 +203,7 @@ def test_save_hf_replaces_files_whole_or_not_at_all(tmp_path, monkeypatch):
         open(filename, "wb").write(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr("llmscratch.checkpoint.save_file", failing_save_file)
+    monkeypatch.setattr("llmscratch.files.save_file", failing_save_file)
     with pytest.raises(OSError, match="disk full"):
         save_hf(GPT(GPTConfig.from_preset("llama-tiny", vocab_size=300, context_length=32)), tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before  # the previous checkpoint, intact

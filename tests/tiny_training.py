@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 from llmscratch.assets import read_moby_dick
-from llmscratch.data import RandomWindowBatches
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.tokenizer import ENDOFTEXT, BPETokenizer
-from llmscratch.train import TrainConfig, Trainer
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.text.data import RandomWindowBatches
+from llmscratch.text.tokenizer import ENDOFTEXT, BPETokenizer
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.train import Trainer
 
 TEXT = read_moby_dick()[:40_000]
 SPLIT = 36_000  # characters: the rest is the validation text
@@ -89,7 +91,7 @@ class StopAfter(Trainer):
 HOOKED_PRETRAIN = """
 import os, runpy, signal, sys, time
 from pathlib import Path
-from llmscratch.train import Trainer
+from llmscratch.training.train import Trainer
 
 record = Trainer._record
 

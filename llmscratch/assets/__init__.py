@@ -6,8 +6,7 @@ Sources, licenses and checksums of each file are in ``NOTICE`` beside this modul
 import json
 from pathlib import Path
 
-from llmscratch.atomic import write_text_atomically
-from llmscratch.corpus import parse_json_lines
+from llmscratch.files import parse_json_lines, write_text_atomically
 
 ASSETS_DIR = Path(__file__).resolve().parent
 GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"  # GPT-2 byte-level BPE ranks (MIT)

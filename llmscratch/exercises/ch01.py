@@ -1,4 +1,4 @@
-"""Chapter 1's exercises: tokenization, checked against ``llmscratch.tokenizer`` / ``llmscratch.data``.
+"""Chapter 1's exercises: tokenization, checked against ``llmscratch.text.tokenizer`` / ``llmscratch.text.data``.
 
 Write it yourself: merging one pair, encoding with a merge table, training merges inside the
 pre-split chunks, and cutting a token stream into (input, target) windows. Extend the package:
@@ -14,11 +14,21 @@ import torch
 from torch import nn
 
 from llmscratch.exercises.ch01_references import bpe, merge, sinusoids, train_naively, windows
-from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
-                                           fresh_generator, random_int)
+from llmscratch.exercises.checking import (
+    Chapter,
+    Mismatch,
+    attempt,
+    describe,
+    diagnose,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    random_int,
+)
 from llmscratch.exercises.fixtures import build_module
-from llmscratch.model import GPT, GPTConfig
-from llmscratch.tokenizer import ENDOFTEXT, GPT2_SPLIT_PATTERN, BPETokenizer
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
+from llmscratch.text.tokenizer import ENDOFTEXT, GPT2_SPLIT_PATTERN, BPETokenizer
 
 CHAPTER = Chapter("ch01", "Tokenization: from text to token ids")
 
@@ -97,8 +107,8 @@ def check_merge_pair(answer) -> int:
 
 @CHAPTER.exercise("encode_with_merges", title="Encode with a merge table", difficulty="medium",
                   section="3. Byte-pair encoding by hand", kind="write it yourself",
-                  forbidden=("llmscratch.tokenizer.BPETokenizer.encode_ordinary",
-                             "llmscratch.tokenizer.BPETokenizer.encode"))
+                  forbidden=("llmscratch.text.tokenizer.BPETokenizer.encode_ordinary",
+                             "llmscratch.text.tokenizer.BPETokenizer.encode"))
 def check_encode_with_merges(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     tiny = "the cat sat on the mat; the rat sat on the hat"
@@ -132,7 +142,7 @@ def check_encode_with_merges(answer) -> int:
 
 @CHAPTER.exercise("train_merges", title="Train BPE merges inside the pre-split chunks", difficulty="hard",
                   section="4. Pre-splitting, and training on a whole novel", kind="write it yourself",
-                  forbidden=("llmscratch.tokenizer.BPETokenizer.train",))
+                  forbidden=("llmscratch.text.tokenizer.BPETokenizer.train",))
 def check_train_merges(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     cases = [("", 3, GPT2_SPLIT_PATTERN), ("ab", 5, GPT2_SPLIT_PATTERN), ("aaaa", 3, GPT2_SPLIT_PATTERN),
@@ -165,7 +175,7 @@ def check_train_merges(answer) -> int:
 
 @CHAPTER.exercise("sliding_windows", title="Cut a token stream into (input, target) windows", difficulty="warm-up",
                   section="7. Sliding windows: from a token stream to training examples", kind="write it yourself",
-                  forbidden=("llmscratch.data.SlidingWindowDataset",))
+                  forbidden=("llmscratch.text.data.SlidingWindowDataset",))
 def check_sliding_windows(answer) -> int:
     generator = torch.Generator().manual_seed(7)
     cases = [([], 4, 4), ([1, 2, 3, 4], 4, 4), ([1, 2, 3, 4, 5], 4, 4), (list(range(6)), 1, 1),

@@ -9,7 +9,7 @@ from collections import Counter
 import regex
 import torch
 
-from llmscratch.data import SlidingWindowDataset
+from llmscratch.text.data import SlidingWindowDataset
 
 __all__ = ["bpe", "merge", "sinusoids", "train_naively", "windows"]
 

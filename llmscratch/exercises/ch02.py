@@ -1,4 +1,4 @@
-"""Chapter 2's exercises: attention, checked against ``llmscratch.attention`` and independent references.
+"""Chapter 2's exercises: attention, checked against ``llmscratch.model.attention`` and independent references.
 
 Write it yourself: the causal mask of a chunk appended to a KV cache, splitting a projection into
 heads, grouped-query attention, and RoPE with the RoFormer paper's interleaved pairs. Extend the
@@ -12,13 +12,24 @@ import math
 import torch
 from torch import nn
 
-from llmscratch.attention import MultiHeadAttention, causal_mask, explicit_attention
-from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, expect_equal, fresh_generator, random_bool, random_int,
-                                           random_seed)
+from llmscratch.exercises.checking import (
+    Chapter,
+    Mismatch,
+    attempt,
+    describe,
+    diagnose,
+    diagnose_nonfinite,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    random_bool,
+    random_int,
+    random_seed,
+)
 from llmscratch.exercises.fixtures import build_module, decoded, lm_backward, tiny_gpt, token_ids
-from llmscratch.model import GPT
-from llmscratch.rope import RotaryEmbedding
+from llmscratch.model.attention import MultiHeadAttention, causal_mask, explicit_attention
+from llmscratch.model.gpt import GPT
+from llmscratch.model.rope import RotaryEmbedding
 
 CHAPTER = Chapter("ch02", "Attention")
 
@@ -40,7 +51,7 @@ MODULE_HINT = ("subclass torch.nn.Module (and call super().__init__() first), so
 # --------------------------------------------------------------------------- write it yourself
 @CHAPTER.exercise("causal_mask", title="The causal mask of a chunk appended to a KV cache", difficulty="warm-up",
                   section="8. Decoding with a KV cache", kind="write it yourself",
-                  forbidden=("llmscratch.attention.causal_mask",))
+                  forbidden=("llmscratch.model.attention.causal_mask",))
 def check_causal_mask(answer) -> int:
     cases = [(1, 3), (2, 2), (3, 5), (4, 4), (4, 9)]  # (q_len, kv_len): one new token, a whole sequence, chunks
     fresh = fresh_generator()  # and cases no table of the fixed ones holds
@@ -104,7 +115,7 @@ def _attention64(q, k, v, *, kv_head=lambda h, group, n_kv: h // group, scale=No
 @CHAPTER.exercise("grouped_query_attention", title="Grouped-query attention over a cache", difficulty="medium",
                   section="5. Grouped-query attention", kind="write it yourself",
                   forbidden=("torch.nn.functional.scaled_dot_product_attention",
-                             "llmscratch.attention.explicit_attention", "llmscratch.attention.fused_attention"))
+                             "llmscratch.model.attention.explicit_attention", "llmscratch.model.attention.fused_attention"))
 def check_grouped_query_attention(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(5), fresh_generator()
     cases = [(1, 1, 1, 1, 1, 2), (1, 1, 1, 1, 3, 2), (1, 2, 2, 3, 3, 4), (2, 4, 1, 3, 3, 8), (1, 4, 2, 5, 5, 4),
@@ -177,7 +188,7 @@ def check_rope_interleaved(answer) -> int:
     # The package's RoPE is the same rotation with the pairs laid out as halves: de-interleave, rotate, re-interleave.
     x = torch.randn(2, 2, 6, 8, generator=generator)
     halves = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])  # dims 0, 2, 4, 6 then 1, 3, 5, 7
-    case = "x of shape (2, 2, 6, 8), start_pos=4, against llmscratch.rope.RotaryEmbedding on de-interleaved x"
+    case = "x of shape (2, 2, 6, 8), start_pos=4, against llmscratch.model.rope.RotaryEmbedding on de-interleaved x"
     got = attempt(answer, x.clone(), start_pos=4, theta=1e4, case=case)
     expected = torch.empty_like(x)
     expected[..., halves] = RotaryEmbedding(8, 16)(x[..., halves], 4)

@@ -1,4 +1,4 @@
-"""Chapter 3's exercises: the GPT architecture, checked against ``llmscratch.model`` and ``llmscratch.generate``.
+"""Chapter 3's exercises: the GPT architecture, checked against ``llmscratch.model.gpt`` and ``llmscratch.model.generate``.
 
 Write it yourself: a SwiGLU feed-forward layer from its three weight matrices, the parameter count of
 any ``GPTConfig`` in closed form, and greedy decoding with the KV cache. Extend the package: a
@@ -14,50 +14,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.exercises.checking import (Chapter, attempt, diagnose, expect_close, expect_equal, fresh_generator,
-                                           random_bool, random_float, random_int, random_seed)
-from llmscratch.exercises.fixtures import build_module, calls_recorded, decoded, token_ids
-from llmscratch.generate import generate
-from llmscratch.model import GPT, GPTConfig, SwiGLU
-
-CHAPTER = Chapter("ch03", "The GPT architecture")
-VOCAB = 48  # the small models' vocabulary: ids 0 .. 47
-LLAMA = dict(norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
-
-
-def _small_gpt(llama: bool, seed: int, **overrides) -> GPT:
-    """A 2-layer random GPT-2 or Llama-style model (4 query heads on 2 kv heads), weights large enough to matter."""
-    torch.manual_seed(seed)
-    fields = dict(vocab_size=VOCAB, context_length=16, d_model=16, n_layers=2, n_heads=4)
-    fields.update(dict(LLAMA, n_kv_heads=2, tie_embeddings=False) if llama else {})
-    model = GPT(GPTConfig(**{**fields, **overrides})).eval()
-    with torch.no_grad():  # GPT-2's init gives near-uniform logits, unit gains and zero biases: make them differ
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.5 if "embedding" in name or "lm_head" in name else 0.3)
-            else:  # a norm's gain around 1, a bias around 0
-                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-    return model
-
-
-def _ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-    return token_ids((batch, seq_len), generator, vocab=VOCAB, end_at=(-1, -1))  # (B, T), id 47 in the last row
-
-
-def _build(answer, *args, case: str) -> nn.Module:
-    return build_module(answer, *args, case=case, hint="subclass torch.nn.Module and call super().__init__() "
-                        "first, so that GPT can hold your module and train its parameters")
-
-
-def _decodes_exactly(model: GPT, idx: torch.Tensor, case: str, hint: str) -> None:
-    """Cached decoding, with start_pos and with input_pos (generate's way), must give the full pass's logits."""
-    prefill_len = idx.size(1) // 2 or 1
-    with torch.no_grad():
-        full = attempt(model, idx, case=case)  # (B, T, V)
-        for way in ("start_pos", "input_pos"):
-            step_case = f"{case}: prefill {prefill_len} tokens, then decode one at a time with {way}"
-            got = attempt(decoded, model, idx, prefill_len, tensor_positions=way == "input_pos", case=step_case)
-            expect_close(got, full, case=step_case, hint=hint)
+from llmscratch.exercises.ch03_fixtures import CHAPTER, LLAMA, VOCAB, build, decodes_exactly, ids, small_gpt
+from llmscratch.exercises.checking import (
+    attempt,
+    diagnose,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    random_bool,
+    random_float,
+    random_int,
+    random_seed,
+)
+from llmscratch.exercises.fixtures import calls_recorded
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
+from llmscratch.model.gpt import GPT
+from llmscratch.model.mlp import SwiGLU
 
 
 # --------------------------------------------------------------------------- write it yourself
@@ -70,7 +43,7 @@ def _swiglu_variant(x, gate, up, down, *, act=F.silu, on_up=False, transpose=Tru
 
 @CHAPTER.exercise("swiglu", title="SwiGLU from its three weight matrices", difficulty="warm-up",
                   section="2. The feed-forward layer: GELU and SwiGLU", kind="write it yourself",
-                  forbidden=("llmscratch.model.SwiGLU",))
+                  forbidden=("llmscratch.model.mlp.SwiGLU",))
 def check_swiglu(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(32), fresh_generator()
     cases = [((1, 1, 1), 1), ((1, 2, 3), 3), ((1, 3, 4), 7), ((2, 5, 6), 16), ((3, 6), 5)]  # (shape of x, hidden)
@@ -150,7 +123,7 @@ def _fresh_config_fields(generator: torch.Generator) -> dict:
 
 @CHAPTER.exercise("parameter_count", title="The parameter count of any GPTConfig", difficulty="medium",
                   section="6. Counting parameters and memory", kind="write it yourself",
-                  forbidden=("llmscratch.model.GPT.num_params", "llmscratch.model.GPT"))
+                  forbidden=("llmscratch.model.gpt.GPT.num_params", "llmscratch.model.gpt.GPT"))
 def check_parameter_count(answer) -> int:
     fresh = fresh_generator()  # and cases no table of the fixed ones holds
     cases = PARAMETER_CASES + [_fresh_config_fields(fresh) for _ in range(3)]
@@ -199,7 +172,7 @@ def _greedy(model: GPT, idx: torch.Tensor, n: int, shift: int) -> torch.Tensor:
 
 @CHAPTER.exercise("generate_greedy", title="Greedy decoding with the KV cache", difficulty="hard",
                   section="7. Generating text", kind="write it yourself",
-                  forbidden=("llmscratch.generate.generate",))
+                  forbidden=("llmscratch.model.generate.generate",))
 def check_generate_greedy(answer) -> int:
     generator = torch.Generator().manual_seed(37)
     cases = [(False, 1, 1, 1), (False, 1, 1, 3), (True, 1, 2, 5), (False, 2, 3, 4), (True, 3, 4, 6),
@@ -209,7 +182,7 @@ def check_generate_greedy(answer) -> int:
     cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 3), random_int(fresh, 1, 8),
                random_int(fresh, 1, 8), fresh) for _ in range(2)]  # at most 16 positions: the context
     for seed, llama, batch, prompt_len, n, source in cases:
-        model, idx = _small_gpt(llama, seed=seed), _ids(batch, prompt_len, source)
+        model, idx = small_gpt(llama, seed=seed), ids(batch, prompt_len, source)
         case = f"a {'Llama-style' if llama else 'GPT-2'} model, idx of shape {(batch, prompt_len)}, max_new_tokens={n}"
         expected = generate(model, idx, n)  # (B, T + n)
         with calls_recorded(model) as calls:  # the (B, T) of each call of the model
@@ -243,12 +216,12 @@ def check_soft_capped_head(answer) -> int:
     cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 2), random_int(fresh, 1, 8),
                random_float(fresh, 0.5, 30.0, 1), fresh) for _ in range(2)]
     for seed, llama, batch, seq_len, cap, source in cases:
-        model, idx = _small_gpt(llama, seed=seed), _ids(batch, seq_len, source)
+        model, idx = small_gpt(llama, seed=seed), ids(batch, seq_len, source)
         case = f"a {'Llama-style' if llama else 'GPT-2 (tied head)'} model, idx of shape {(batch, seq_len)}, cap={cap}"
         with torch.no_grad():
             plain, count = model(idx), model.num_params()  # (B, T, V)
         head = model.lm_head
-        model.lm_head = _build(answer, head, cap, case=case)
+        model.lm_head = build(answer, head, cap, case=case)
         expect_equal(sorted(id(p) for p in model.lm_head.parameters()), [id(head.weight)], case=case, hint=(
             "keep the head you are given as a submodule and add no parameters; a copy would untie it from the "
             "token embedding"))
@@ -290,10 +263,10 @@ def check_parallel_block(answer) -> int:
     cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, 1, 2), random_int(fresh, 1, 9), fresh)
               for _ in range(2)]
     for seed, llama, batch, seq_len, source in cases:
-        model, idx = _small_gpt(llama, seed=seed), _ids(batch, seq_len, source)
+        model, idx = small_gpt(llama, seed=seed), ids(batch, seq_len, source)
         case = f"a {'Llama-style' if llama else 'GPT-2'} block, x of shape {(batch, seq_len, 16)}"
         block, x = model.blocks[0], torch.randn(batch, seq_len, 16, generator=source)
-        module = _build(answer, block, case=case)
+        module = build(answer, block, case=case)
         got = attempt(module, x, model.rope, None, 0, case=case)
         hint = diagnose(got, {
             "that is the sequential block: both branches read the same normed x, neither sees the other's output":
@@ -303,8 +276,8 @@ def check_parallel_block(answer) -> int:
             "add both branches to x, the residual stream": lambda: _parallel(block, x, model.rope, residual=False),
         }, "the output must be x + attn(attn_norm(x)) + mlp(attn_norm(x))")
         expect_close(got, _parallel(block, x, model.rope), case=case, hint=hint)
-        model.blocks = nn.ModuleList([_build(answer, b, case=case) for b in model.blocks])
-        _decodes_exactly(model, idx, f"a {'Llama-style' if llama else 'GPT-2'} model of parallel blocks, idx of "
+        model.blocks = nn.ModuleList([build(answer, b, case=case) for b in model.blocks])
+        decodes_exactly(model, idx, f"a {'Llama-style' if llama else 'GPT-2'} model of parallel blocks, idx of "
                          f"shape {(batch, seq_len)}", "pass kv_cache, start_pos and input_pos on to block.attn: "
                          "cached decoding must give the logits of one full pass")
     return len(cases)
@@ -320,8 +293,8 @@ def check_grow_vocabulary(answer) -> int:
     cases += [(random_seed(fresh), random_bool(fresh), random_int(fresh, VOCAB, 80), random_int(fresh, 1, 2),
                random_int(fresh, 1, 8), fresh) for _ in range(2)]
     for seed, llama, new_size, batch, seq_len, source in cases:  # (Llama-style, untied?, new vocab, B, T)
-        model = _small_gpt(llama, seed=seed)
-        before, idx = copy.deepcopy(model.state_dict()), _ids(batch, seq_len, source)
+        model = small_gpt(llama, seed=seed)
+        before, idx = copy.deepcopy(model.state_dict()), ids(batch, seq_len, source)
         case = (f"a {'Llama-style (untied head)' if llama else 'GPT-2 (tied head)'} model of vocab_size={VOCAB}, "
                 f"new_vocab_size={new_size}, idx of shape {(batch, seq_len)}")
         grown = attempt(answer, model, new_size, case=case)
@@ -352,4 +325,4 @@ def check_grow_vocabulary(answer) -> int:
     return len(cases)
 
 
-from llmscratch.exercises import ch03_families  # noqa: E402, F401  (section 9's exercises join this chapter)
+from llmscratch.exercises import ch03_families  # noqa: E402, F401  (section 9's exercises register after these)

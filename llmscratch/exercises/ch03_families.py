@@ -1,4 +1,4 @@
-"""Chapter 3's exercises on section 9 (Gemma 3, Qwen3, mixtures of experts), registered with ``ch03.CHAPTER``.
+"""Chapter 3's exercises on section 9 (Gemma 3, Qwen3, mixtures of experts), registered with ``ch03``'s ``CHAPTER`` (``ch03_fixtures``).
 
 Write it yourself: a sliding window's mask over a KV cache, and a router's top-k choice with its balancing
 loss. Extend the package: a block with norms after its sublayers too (Gemma 2 and 3).
@@ -6,19 +6,27 @@ loss. Extend the package: a block with norms after its sublayers too (Gemma 2 an
 
 import torch
 
-from llmscratch.attention import positions_mask
-from llmscratch.exercises.ch03 import CHAPTER, _build, _decodes_exactly, _ids, _small_gpt
-from llmscratch.exercises.checking import (attempt, diagnose, expect_close, expect_equal, fresh_generator, random_int,
-                                           random_seed)
-from llmscratch.model import Block, GPTConfig
-from llmscratch.moe import balance_loss, route
+from llmscratch.exercises.ch03_fixtures import CHAPTER, build, decodes_exactly, ids, small_gpt
+from llmscratch.exercises.checking import (
+    attempt,
+    diagnose,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    random_int,
+    random_seed,
+)
+from llmscratch.model.attention import positions_mask
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import Block
+from llmscratch.model.moe import balance_loss, route
 
 SECTION = "9. Beyond Llama: Gemma 3, Qwen3 and mixtures of experts"
 
 
 @CHAPTER.exercise("sliding_window_mask", title="A sliding window's mask over a KV cache", difficulty="warm-up",
                   section=SECTION, kind="write it yourself",
-                  forbidden=("llmscratch.attention.positions_mask", "llmscratch.attention.causal_mask"))
+                  forbidden=("llmscratch.model.attention.positions_mask", "llmscratch.model.attention.causal_mask"))
 def check_sliding_window_mask(answer) -> int:
     cases = [([0], 1, 1), ([0, 1, 2], 3, 1), ([0, 1, 2, 3], 4, 2), ([5], 8, 3), ([3, 4, 5], 8, 2), ([2, 3], 6, 9),
              ([0, 1, 2, 3, 4, 5], 6, 4)]  # (the queries' positions, the cache's length, the window)
@@ -72,7 +80,7 @@ def _route_variant(logits: torch.Tensor, k: int, *, renormalise=True, slots=True
 
 @CHAPTER.exercise("route_top_k", title="Top-k routing and its load-balancing loss", difficulty="medium",
                   section=SECTION, kind="write it yourself",
-                  forbidden=("llmscratch.moe.route", "llmscratch.moe.balance_loss"))
+                  forbidden=("llmscratch.model.moe.route", "llmscratch.model.moe.balance_loss"))
 def check_route_top_k(answer) -> int:
     generator = torch.Generator().manual_seed(39)
     cases = [(1, 2, 1), (3, 2, 2), (5, 4, 1), (6, 4, 2), (9, 8, 3), (4, 5, 5)]  # (N tokens, E experts, k)
@@ -137,11 +145,11 @@ def check_post_norm_block(answer) -> int:
     fresh = fresh_generator()  # and cases no table of the fixed ones holds
     cases += [(random_seed(fresh), random_int(fresh, 1, 2), random_int(fresh, 1, 9), fresh) for _ in range(2)]
     for seed, batch, seq_len, source in cases:
-        model, idx = _small_gpt(True, seed=seed), _ids(batch, seq_len, source)
+        model, idx = small_gpt(True, seed=seed), ids(batch, seq_len, source)
         block, x = model.blocks[0], torch.randn(batch, seq_len, 16, generator=source)
         case = f"a Llama-style block, x of shape {(batch, seq_len, 16)}"
         count = sum(p.numel() for p in block.parameters())
-        module = _build(answer, block, case=case)
+        module = build(answer, block, case=case)
         norms = [getattr(module, name, None) for name in ("attn_post_norm", "mlp_post_norm")]
         expect_equal(all(isinstance(n, torch.nn.Module) and getattr(n, "weight", None) is not None and
                          tuple(n.weight.shape) == (16,) for n in norms), True, case=case, hint=(
@@ -165,8 +173,8 @@ def check_post_norm_block(answer) -> int:
         }, "the output must be x1 + mlp_post_norm(mlp(mlp_norm(x1))), x1 = x + attn_post_norm(attn(attn_norm(x)))")
         with torch.no_grad():
             expect_close(got, reference(x, model.rope, None, 0), case=case, hint=hint)
-        model.blocks = torch.nn.ModuleList([_build(answer, b, case=case) for b in model.blocks])
-        _decodes_exactly(model, idx, f"a Llama-style model of post-normed blocks, idx of shape {(batch, seq_len)}",
+        model.blocks = torch.nn.ModuleList([build(answer, b, case=case) for b in model.blocks])
+        decodes_exactly(model, idx, f"a Llama-style model of post-normed blocks, idx of shape {(batch, seq_len)}",
                          "pass kv_cache, start_pos and input_pos on to block.attn: cached decoding must give the "
                          "logits of one full pass")
     return len(cases)

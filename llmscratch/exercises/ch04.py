@@ -1,7 +1,7 @@
 """Chapter 4's exercises: pretraining, checked against ``llmscratch`` and ``torch``.
 
 Write it yourself: the next-token loss with skipped targets, one AdamW update (against
-``torch.optim.AdamW``), top-p filtering (against ``llmscratch.generate.top_p_filter``), and gradient
+``torch.optim.AdamW``), top-p filtering (against ``llmscratch.model.generate.top_p_filter``), and gradient
 accumulation over micro-batches of different sizes that equals one big batch. Extend the package:
 a warmup-stable-decay schedule with ``learning_rate``'s contract, a label-smoothed loss given to
 ``OptimizerStep``, and min-p sampling in a KV-cached decoding loop.
@@ -15,17 +15,37 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmscratch.config import TrainConfig
-from llmscratch.exercises.ch04_references import (adamw64, change, min_p_generate, smoothed64, token_nll64, top_p,
-                                                  torch_adamw, wsd_schedule)
-from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, expect_equal, fresh_generator, random_bool, random_float,
-                                           random_int, random_seed)
+from llmscratch.exercises.ch04_references import (
+    adamw64,
+    change,
+    min_p_generate,
+    smoothed64,
+    token_nll64,
+    top_p,
+    torch_adamw,
+    wsd_schedule,
+)
+from llmscratch.exercises.checking import (
+    Chapter,
+    Mismatch,
+    attempt,
+    describe,
+    diagnose,
+    diagnose_nonfinite,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    random_bool,
+    random_float,
+    random_int,
+    random_seed,
+)
 from llmscratch.exercises.fixtures import calls_recorded, flat_parameters, loss_and_gradient, tiny_gpt, token_ids
-from llmscratch.generate import generate, top_p_filter
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.model import GPT
-from llmscratch.optim import OptimizerStep
+from llmscratch.model.generate import generate, top_p_filter
+from llmscratch.model.gpt import GPT
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.optim import OptimizerStep
 
 CHAPTER = Chapter("ch04", "Pretraining")
 NONFINITE_HINT = ("your result has inf or NaN: exp of a large logit overflows (use torch.log_softmax, which subtracts "
@@ -137,7 +157,7 @@ def check_adamw_step(answer) -> int:
 
 @CHAPTER.exercise("top_p_filter", title="Top-p (nucleus) filtering", difficulty="medium",
                   section="5. Sampling: temperature, top-k, top-p", kind="write it yourself",
-                  forbidden=("llmscratch.generate.top_p_filter",))
+                  forbidden=("llmscratch.model.generate.top_p_filter",))
 def check_top_p_filter(answer) -> int:
     generator = torch.Generator().manual_seed(5)
     ties = torch.zeros(2)  # two equally likely tokens: p = 0.5 is reached by the first one exactly
@@ -176,7 +196,7 @@ def check_top_p_filter(answer) -> int:
 
 
 @CHAPTER.exercise("accumulate_gradients", title="Gradient accumulation that equals one big batch", difficulty="hard",
-                  section="3. The same loop with `llmscratch.train`", kind="write it yourself")
+                  section="3. The same loop with `llmscratch.training.train`", kind="write it yourself")
 def check_accumulate_gradients(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     cases = [([1], 1, ""), ([2, 2], 4, ""), ([1, 2, 3], 3, ""), ([2, 2], 5, "uneven"), ([2, 1, 2], 3, "empty")]
@@ -229,7 +249,7 @@ def check_accumulate_gradients(answer) -> int:
 
 # --------------------------------------------------------------------------- extend the package
 @CHAPTER.exercise("wsd_learning_rate", title="A warmup-stable-decay learning-rate schedule", difficulty="warm-up",
-                  section="3. The same loop with `llmscratch.train`", kind="extend the package")
+                  section="3. The same loop with `llmscratch.training.train`", kind="extend the package")
 def check_wsd_learning_rate(answer) -> int:
     cases = [(1, 0, 1.0, 0.1, 0.2), (10, 2, 1.0, 0.1, 0.2), (7, 0, 3e-3, 3e-4, 0.3), (10, 6, 1.0, 0.1, 0.5),
              (12, 3, 2e-3, 2e-4, 0.0), (20, 5, 1e-3, 1e-4, 1.0)]  # (max_steps, warmup, lr, min_lr, decay_fraction)
@@ -265,7 +285,7 @@ def check_wsd_learning_rate(answer) -> int:
 
 
 @CHAPTER.exercise("label_smoothing_loss", title="Label smoothing, as a loss for OptimizerStep", difficulty="medium",
-                  section="3. The same loop with `llmscratch.train`", kind="extend the package")
+                  section="3. The same loop with `llmscratch.training.train`", kind="extend the package")
 def check_label_smoothing_loss(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     cases = [(False, 1, 1, 0.1), (True, 2, 5, 0.0), (False, 2, 6, 0.1), (True, 3, 4, 0.3), (False, 1, 7, 1.0)]

@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from llmscratch.config import TrainConfig
-from llmscratch.generate import sample_next_token
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.optim import learning_rate
+from llmscratch.model.generate import sample_next_token
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.training.config import TrainConfig
+from llmscratch.training.optim import learning_rate
 
 __all__ = ["adamw64", "change", "min_p_generate", "smoothed64", "token_nll64", "top_p", "torch_adamw", "wsd_schedule"]
 

@@ -1,4 +1,4 @@
-"""Chapter 5's exercises: finetuning, checked against ``llmscratch.classify``, ``.instruct``, ``.lora``, ``.finetune``.
+"""Chapter 5's exercises: finetuning, checked against ``llmscratch.finetuning.classify``, ``.instruct``, ``.lora``, ``.finetune``.
 
 Write it yourself: a classifier's logits at each row's last real token, accuracy and the spam class's
 precision, recall and F1, an instruction batch with the prompt masked, and a LoRA layer merged into a
@@ -12,17 +12,37 @@ import functools
 import torch
 from torch import nn
 
-from llmscratch.classify import GPTClassifier, classification_metrics
-from llmscratch.config import FinetuneConfig, LoRAConfig
 from llmscratch.exercises.ch05_references import choice_logprobs, early_stop, instruction_rows, lora_lookup
-from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
-                                           fresh_generator, random_bool, random_float, random_int, random_seed)
-from llmscratch.exercises.fixtures import (VOCAB, build_module, decoded, flat_parameters, lm_backward, tiny_gpt,
-                                           token_ids)
-from llmscratch.finetune import fit
-from llmscratch.instruct import IGNORE_INDEX, collate, lm_loss
-from llmscratch.lora import LoRALinear, apply_lora, lora_layers
-from llmscratch.model import GPT
+from llmscratch.exercises.checking import (
+    Chapter,
+    Mismatch,
+    attempt,
+    describe,
+    diagnose,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    random_bool,
+    random_float,
+    random_int,
+    random_seed,
+)
+from llmscratch.exercises.fixtures import (
+    VOCAB,
+    build_module,
+    decoded,
+    flat_parameters,
+    lm_backward,
+    tiny_gpt,
+    token_ids,
+)
+from llmscratch.finetuning.classify import GPTClassifier, classification_metrics
+from llmscratch.finetuning.config import FinetuneConfig, LoRAConfig
+from llmscratch.finetuning.finetune import fit
+from llmscratch.finetuning.instruct import collate, lm_loss
+from llmscratch.finetuning.lora import LoRALinear, apply_lora, lora_layers
+from llmscratch.model.gpt import GPT
+from llmscratch.model.losses import IGNORE_INDEX
 
 CHAPTER = Chapter("ch05", "Finetuning: a spam classifier, an instruction follower and LoRA")
 CPU = torch.device("cpu")
@@ -79,7 +99,7 @@ def _scores(got, case: str) -> dict[str, float]:
 
 @CHAPTER.exercise("classification_scores", title="Accuracy, precision, recall and F1 of the spam class",
                   difficulty="warm-up", section="1.5 Before training", kind="write it yourself",
-                  forbidden=("llmscratch.classify.classification_metrics",))
+                  forbidden=("llmscratch.finetuning.classify.classification_metrics",))
 def check_classification_scores(answer) -> int:
     generator = torch.Generator().manual_seed(2)
     cases = [([1], [1]), ([0], [0]), ([1, 1, 0], [1, 0, 0]), ([0, 0, 0, 1], [1, 1, 0, 1]), ([1, 0], [0, 1])]
@@ -110,7 +130,7 @@ def check_classification_scores(answer) -> int:
 
 @CHAPTER.exercise("collate_masked", title="An instruction batch with the prompt masked", difficulty="medium",
                   section="2.3 Batches and their masking", kind="write it yourself",
-                  forbidden=("llmscratch.instruct.collate",))
+                  forbidden=("llmscratch.finetuning.instruct.collate",))
 def check_collate_masked(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     eos_id = VOCAB - 1  # the vocabulary's last id
@@ -168,7 +188,7 @@ def _merged(answer, layer: LoRALinear, case: str) -> nn.Linear:
 
 @CHAPTER.exercise("merged_linear", title="Merge a LoRA layer into a plain nn.Linear", difficulty="medium",
                   section="3. LoRA: finetuning a few low-rank matrices", kind="write it yourself",
-                  forbidden=("llmscratch.lora.LoRALinear.merged", "llmscratch.lora.merge_lora"))
+                  forbidden=("llmscratch.finetuning.lora.LoRALinear.merged", "llmscratch.finetuning.lora.merge_lora"))
 def check_merged_linear(answer) -> int:
     cases = [(3, 2, True, 1, 2.0), (4, 4, False, 2, 8.0), (5, 3, True, 4, 2.0), (6, 8, True, 8, 16.0)]
     cases = list(enumerate(cases))  # each case's index seeds its weights
@@ -253,7 +273,7 @@ def check_score_choices(answer) -> int:
     case = f"a Llama-style model with dropout 0.5, in training mode, prompt {prompt}, choices {choices}"
     got = attempt(answer, model, prompt, choices, case=case)
     expect_close(got, choice_logprobs(model, prompt, choices), case=case, atol=1e-4, hint=(
-        "score with dropout off: `with llmscratch.evaluation.evaluating(model):` switches to eval mode and back"))
+        "score with dropout off: `with llmscratch.model.gpt.evaluating(model):` switches to eval mode and back"))
     expect_equal(model.training, True, case=case + ": the model's mode afterwards", hint=(
         "put the model back in the mode you found it in: `with evaluating(model):` does that, even after an error"))
     return len(cases) + 1

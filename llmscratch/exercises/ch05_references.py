@@ -6,8 +6,8 @@ each function is the plain computation, and each keyword switch one usual slip.
 
 import torch
 
-from llmscratch.instruct import IGNORE_INDEX
-from llmscratch.model import GPT, evaluating
+from llmscratch.model.gpt import GPT, evaluating
+from llmscratch.model.losses import IGNORE_INDEX
 
 __all__ = ["choice_logprobs", "early_stop", "instruction_rows", "lora_lookup"]
 

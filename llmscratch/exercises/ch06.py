@@ -1,4 +1,4 @@
-"""Chapter 6's exercises: alignment, checked against ``llmscratch.preference``, ``.grpo`` and ``.metrics``.
+"""Chapter 6's exercises: alignment, checked against ``llmscratch.alignment.preference``, ``.grpo`` and ``.metrics``.
 
 Write it yourself: the watched numbers of a DPO run (reward accuracy, margin, log-ratio per token), a
 Wilson interval, the log-probability of each response with its prompt masked, the DPO loss and rewards
@@ -13,16 +13,43 @@ from collections import Counter
 
 import torch
 
-from llmscratch.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
-from llmscratch.exercises.ch06_references import (clipped_objective64, dpo64, group_advantages64, ipo_loss64,
-                                                  longest_common_substring, matching_blocks, normal_interval,
-                                                  response_logprobs64, simpo_loss64, wilson64)
-from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, fresh_generator, number_of, random_bool, random_float,
-                                           random_int, random_seed)
+from llmscratch.alignment.grpo import clipped_objective, group_advantages, pass_at_k
+from llmscratch.alignment.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
+from llmscratch.alignment.preference import (
+    PreferenceBatch,
+    collate_pairs,
+    dpo_loss,
+    preference_metrics,
+    sequence_logprobs,
+)
+from llmscratch.exercises.ch06_references import (
+    clipped_objective64,
+    dpo64,
+    group_advantages64,
+    ipo_loss64,
+    longest_common_substring,
+    matching_blocks,
+    normal_interval,
+    response_logprobs64,
+    simpo_loss64,
+    wilson64,
+)
+from llmscratch.exercises.checking import (
+    Chapter,
+    Mismatch,
+    attempt,
+    describe,
+    diagnose,
+    diagnose_nonfinite,
+    expect_close,
+    fresh_generator,
+    number_of,
+    random_bool,
+    random_float,
+    random_int,
+    random_seed,
+)
 from llmscratch.exercises.fixtures import VOCAB, tiny_gpt
-from llmscratch.grpo import clipped_objective, group_advantages, pass_at_k
-from llmscratch.preference import PreferenceBatch, collate_pairs, dpo_loss, preference_metrics, sequence_logprobs
 
 CHAPTER = Chapter("ch06", "Alignment: preference tuning with DPO, RL with verifiable rewards, and evaluations "
                            "that measure them")
@@ -55,7 +82,7 @@ SCORES = ("accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_log_
 
 @CHAPTER.exercise("preference_scores", title="Reward accuracy, margin and log-ratio per token of a DPO batch",
                   difficulty="warm-up", section="3.1 Held-out pairs, before and after", kind="write it yourself",
-                  forbidden=("llmscratch.preference.preference_metrics",))
+                  forbidden=("llmscratch.alignment.preference.preference_metrics",))
 def check_preference_scores(answer) -> int:
     generator = torch.Generator().manual_seed(1)
     cases = [([0.0], [0.0], [1], 0.1), ([0.2], [-0.1], [3], 0.1), ([0.5, 0.5, -0.3], [0.5, 0.1, 0.3], [2, 5, 1], 0.5)]
@@ -101,7 +128,7 @@ def check_preference_scores(answer) -> int:
 
 @CHAPTER.exercise("wilson_bounds", title="A Wilson interval for an accuracy", difficulty="warm-up",
                   section="5.1 Multiple choice by log-likelihood", kind="write it yourself",
-                  forbidden=("llmscratch.metrics.wilson_interval",))
+                  forbidden=("llmscratch.alignment.metrics.wilson_interval",))
 def check_wilson_bounds(answer) -> int:
     cases = [(0, 1, 1.96), (1, 1, 1.96), (1, 2, 1.96), (0, 10, 1.96), (10, 10, 1.96), (3, 10, 1.96), (50, 72, 1.96),
              (1, 1000, 1.96), (7, 20, 1.0), (13, 40, 2.576)]  # (successes, trials, z)
@@ -138,7 +165,7 @@ def check_wilson_bounds(answer) -> int:
 
 @CHAPTER.exercise("response_logprobs", title="The log-probability of each response, its prompt masked",
                   difficulty="medium", section="2.2 The log-probability of an answer", kind="write it yourself",
-                  forbidden=("llmscratch.preference.sequence_logprobs",))
+                  forbidden=("llmscratch.alignment.preference.sequence_logprobs",))
 def check_response_logprobs(answer) -> int:
     generator = torch.Generator().manual_seed(3)
     cases = [(False, [(1, 1, 1)]), (False, [(3, 1, 2)]), (True, [(2, 3, 1), (4, 1, 2)]),
@@ -196,7 +223,7 @@ def _four_logprobs(size: int, generator: torch.Generator) -> list[torch.Tensor]:
 
 @CHAPTER.exercise("dpo_loss_and_rewards", title="The DPO loss and the implicit rewards from four log-probabilities",
                   difficulty="medium", section="2.3 The loss from four log-probabilities", kind="write it yourself",
-                  forbidden=("llmscratch.preference.dpo_loss", "llmscratch.preference.implicit_rewards"))
+                  forbidden=("llmscratch.alignment.preference.dpo_loss", "llmscratch.alignment.preference.implicit_rewards"))
 def check_dpo_loss_and_rewards(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     same = torch.tensor([-5.0])
@@ -285,7 +312,7 @@ ROUGE_WORDS = ["the", "whale", "ship", "ahab", "sea", "white"]
 
 @CHAPTER.exercise("rouge_l_f1", title="ROUGE-L F1 by the longest common subsequence", difficulty="medium",
                   section="5.3 Free answers: ROUGE-L and BLEU", kind="write it yourself",
-                  forbidden=("llmscratch.metrics.rouge_l",))
+                  forbidden=("llmscratch.alignment.metrics.rouge_l",))
 def check_rouge_l_f1(answer) -> int:
     generator = torch.Generator().manual_seed(5)
     cases = [("", "the whale"), ("whale", "whale"), ("The Whale!", "the whale"), ("b a", "a b"),
@@ -354,7 +381,7 @@ def _rewards(prompts: int, group_size: int, weight: float, generator: torch.Gene
 
 @CHAPTER.exercise("group_advantages", title="GRPO's group advantages: each reward against its group's",
                   difficulty="warm-up", section="7.2 Group advantages", kind="write it yourself",
-                  forbidden=("llmscratch.grpo.group_advantages",))
+                  forbidden=("llmscratch.alignment.grpo.group_advantages",))
 def check_group_advantages(answer) -> int:
     generator = torch.Generator().manual_seed(8)
     cases = [([[1.0, 0.0]], "one prompt, two answers"),
@@ -430,7 +457,7 @@ def _policy_logprobs(answers: int, tokens: int, spread: float, generator: torch.
 
 @CHAPTER.exercise("clipped_objective", title="PPO's clipped objective per token, and its gradient",
                   difficulty="medium", section="7.3 The clipped objective", kind="write it yourself",
-                  forbidden=("llmscratch.grpo.clipped_objective",))
+                  forbidden=("llmscratch.alignment.grpo.clipped_objective",))
 def check_clipped_objective(answer) -> int:
     generator = torch.Generator().manual_seed(9)
     old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
@@ -491,7 +518,7 @@ def _check_objective_gradient(got, leaf: torch.Tensor, expected: torch.Tensor, s
 
 
 @CHAPTER.exercise("pass_at_k", title="The unbiased pass@k from n samples", difficulty="medium",
-                  section="7.5 pass@k", kind="write it yourself", forbidden=("llmscratch.grpo.pass_at_k",))
+                  section="7.5 pass@k", kind="write it yourself", forbidden=("llmscratch.alignment.grpo.pass_at_k",))
 def check_pass_at_k(answer) -> int:
     cases = [(1, 1, 1, "the one answer is right"), (1, 0, 1, ""), (2, 1, 1, ""), (2, 0, 2, "no right answer, k = n"),
              (2, 1, 2, "n - c < k: every draw of two holds the right answer"), (5, 2, 3, "n - c = k"),

@@ -12,7 +12,7 @@ from difflib import SequenceMatcher
 import torch
 import torch.nn.functional as F
 
-from llmscratch.losses import IGNORE_INDEX
+from llmscratch.model.losses import IGNORE_INDEX
 
 __all__ = ["clipped_objective64", "dpo64", "group_advantages64", "ipo_loss64", "longest_common_substring",
            "matching_blocks", "normal_interval", "response_logprobs64", "simpo_loss64", "wilson64"]

@@ -1,4 +1,4 @@
-"""Chapter 7's exercises: deployment, checked against ``llmscratch.quantize``, ``prune``, ``distill``, ``speculative``.
+"""Chapter 7's exercises: deployment, checked against ``llmscratch.model.quantize``, ``prune``, ``distill``, ``speculative``.
 
 Write it yourself: int8 weights with one scale per row, two int4 values packed in a byte and unpacked with
 their group scales, magnitude-pruning masks (per matrix or global), the distillation loss with its
@@ -12,17 +12,39 @@ import math
 
 import torch
 
-from llmscratch.distill import distillation_loss
-from llmscratch.exercises.ch07_references import (accept64, dequantize_int4_64, distill64, int8_scales64, int8_values,
-                                                  keep_masks, pack_int4_64, two_four_mask, w8a8_linear64)
-from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
-                                           expect_close, expect_equal, fresh_generator, number_of, random_bool,
-                                           random_float, random_int, random_seed)
+from llmscratch.deployment.distill import distillation_loss
+from llmscratch.deployment.prune import block_linears
+from llmscratch.deployment.speculative import acceptance_probability, expected_tokens_per_round, residual_distribution
+from llmscratch.exercises.ch07_references import (
+    accept64,
+    dequantize_int4_64,
+    distill64,
+    int8_scales64,
+    int8_values,
+    keep_masks,
+    pack_int4_64,
+    two_four_mask,
+    w8a8_linear64,
+)
+from llmscratch.exercises.checking import (
+    Chapter,
+    Mismatch,
+    attempt,
+    describe,
+    diagnose,
+    diagnose_nonfinite,
+    expect_close,
+    expect_equal,
+    fresh_generator,
+    number_of,
+    random_bool,
+    random_float,
+    random_int,
+    random_seed,
+)
 from llmscratch.exercises.fixtures import tiny_gpt
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.prune import block_linears
-from llmscratch.quantize import dequantize_int4, pack_int4, quantize_int8
-from llmscratch.speculative import acceptance_probability, expected_tokens_per_round, residual_distribution
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.model.quantize import dequantize_int4, pack_int4, quantize_int8
 
 CHAPTER = Chapter("ch07", "Deployment: quantization, pruning, distillation and speculative decoding")
 # the sections of deployment.ipynb the exercises follow
@@ -75,7 +97,7 @@ ZERO_ROW_HINT = ("a row of zeros needs a positive scale (clamp the scale to at l
 
 
 @CHAPTER.exercise("quantize_rows_int8", title="int8 weights: one scale per row", difficulty="warm-up",
-                  section=QUANTIZATION, kind="write it yourself", forbidden=("llmscratch.quantize.quantize_int8",))
+                  section=QUANTIZATION, kind="write it yourself", forbidden=("llmscratch.model.quantize.quantize_int8",))
 def check_quantize_rows_int8(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(1), fresh_generator()
     cases = [[[1.0]], [[0.7, -1.0, -0.2]], [[-2.0, 0.9, 0.3], [0.1, 0.3, -0.05]], [[0.0, 0.0, 0.0], [1.5, -0.4, 0.8]],
@@ -126,7 +148,7 @@ def check_quantize_rows_int8(answer) -> int:
 
 @CHAPTER.exercise("pack_int4_pairs", title="Two int4 values a byte", difficulty="warm-up", section=GROUPS,
                   kind="write it yourself",
-                  forbidden=("llmscratch.quantize.pack_int4", "llmscratch.quantize.quantize_int4"))
+                  forbidden=("llmscratch.model.quantize.pack_int4", "llmscratch.model.quantize.quantize_int4"))
 def check_pack_int4_pairs(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(2), fresh_generator()
     cases = [[[-7, 7]], [[0, 0]], [[1, -1, 3, -3]], [list(range(-7, 8)) + [0]], [[-7, 7], [2, -2]]]
@@ -153,7 +175,7 @@ def check_pack_int4_pairs(answer) -> int:
 
 @CHAPTER.exercise("dequantize_int4_groups", title="Packed int4 and group scales back to floats", difficulty="medium",
                   section=GROUPS, kind="write it yourself",
-                  forbidden=("llmscratch.quantize.unpack_int4", "llmscratch.quantize.dequantize_int4"))
+                  forbidden=("llmscratch.model.quantize.unpack_int4", "llmscratch.model.quantize.dequantize_int4"))
 def check_dequantize_int4_groups(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(3), fresh_generator()
     cases = [(torch.tensor([[-7, 3]]), torch.tensor([[0.5]])),
@@ -222,7 +244,7 @@ def _masks_valid(masks: list[torch.Tensor], weights: list[torch.Tensor], sparsit
 
 
 @CHAPTER.exercise("magnitude_masks", title="Magnitude pruning: which weights stay", difficulty="medium",
-                  section=PRUNING, kind="write it yourself", forbidden=("llmscratch.prune.magnitude_prune",))
+                  section=PRUNING, kind="write it yourself", forbidden=("llmscratch.deployment.prune.magnitude_prune",))
 def check_magnitude_masks(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(4), fresh_generator()
     square, mixed = [[1.0, -3.0], [2.0, -0.5]], [[[4.0, -1.0], [0.5, 2.0]], [[0.1, 0.2, 0.3]]]
@@ -278,7 +300,7 @@ DISTILL_NONFINITE = ("your loss has inf or NaN: log(softmax(x)) is log(0) = -inf
 
 @CHAPTER.exercise("distill_loss", title="The distillation loss, with a temperature", difficulty="medium",
                   section=DISTILLATION, kind="write it yourself",
-                  forbidden=("llmscratch.distill.distillation_loss", "torch.nn.functional.kl_div"))
+                  forbidden=("llmscratch.deployment.distill.distillation_loss", "torch.nn.functional.kl_div"))
 def check_distill_loss(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(5), fresh_generator()
     cases = [((1, 1, 2), 1.0, 1.0, 1.0, ""), ((2, 3, 5), 1.0, 2.0, 1.0, "identical logits"),
@@ -342,8 +364,8 @@ def check_distill_loss(answer) -> int:
 
 @CHAPTER.exercise("tokens_per_round", title="Tokens a round of speculative decoding yields", difficulty="warm-up",
                   section=COST, kind="write it yourself",
-                  forbidden=("llmscratch.speculative.expected_tokens_per_round",
-                             "llmscratch.speculative.predicted_speedup"))
+                  forbidden=("llmscratch.deployment.speculative.expected_tokens_per_round",
+                             "llmscratch.deployment.speculative.predicted_speedup"))
 def check_tokens_per_round(answer) -> int:
     fresh = fresh_generator()
     cases = [(0.0, 1), (1.0, 4), (0.5, 1), (0.8, 4), (0.3, 10), (0.999999, 3), (1.0, 1)]  # (acceptance, k)
@@ -396,8 +418,8 @@ def _count(got, case: str) -> int:
 
 @CHAPTER.exercise("speculative_accept", title="Speculative sampling's accept/reject rule, given its draws",
                   difficulty="hard", section=RULE, kind="write it yourself",
-                  forbidden=("llmscratch.speculative.accept_draft", "llmscratch.speculative.residual_distribution",
-                             "llmscratch.speculative.acceptance_probability"))
+                  forbidden=("llmscratch.deployment.speculative.accept_draft", "llmscratch.deployment.speculative.residual_distribution",
+                             "llmscratch.deployment.speculative.acceptance_probability"))
 def check_speculative_accept(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(7), fresh_generator()
     t = torch.tensor

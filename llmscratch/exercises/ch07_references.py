@@ -9,7 +9,7 @@ does not have: 2:4 sparsity, and activations quantized beside the weights.
 import torch
 import torch.nn.functional as F
 
-from llmscratch.losses import IGNORE_INDEX
+from llmscratch.model.losses import IGNORE_INDEX
 
 __all__ = ["TINY", "accept64", "dequantize_int4_64", "distill64", "int8_scales64", "int8_values", "keep_masks",
            "pack_int4_64", "two_four_mask", "w8a8_linear64"]
@@ -117,7 +117,7 @@ def keep_masks(weights: list[torch.Tensor], sparsity: float, scope: str = "layer
     """Bool masks, True where a weight stays, of magnitude pruning: round(sparsity * n) of the smallest |w| go.
 
     n counts each matrix (scope "layer") or all of them together ("global"); of equal magnitudes the earlier
-    goes first (row by row, matrix after matrix), as ``llmscratch.prune.magnitude_prune`` prunes. Each usual
+    goes first (row by row, matrix after matrix), as ``llmscratch.deployment.prune.magnitude_prune`` prunes. Each usual
     mistake a switch: ``largest`` (the largest go); ``signed`` (w ranked, not |w|); ``per_row`` (each row on
     its own); ``threshold`` (every |w| up to the k-th smallest goes, ties and all); ``count`` (int: truncated).
     """

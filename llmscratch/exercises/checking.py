@@ -7,7 +7,7 @@ smallest failing input. ``Chapter.check`` turns the outcome into a ``Verdict`` a
 never raises, so a notebook keeps running whatever the answer does.
 
 The answer cannot move the goalposts: a check runs against the package as the exercises loaded it
-(an answer that replaced ``llmscratch.attention.causal_mask`` or ``GPT.forward`` gets the originals
+(an answer that replaced ``llmscratch.model.attention.causal_mask`` or ``GPT.forward`` gets the originals
 put back after each call, and its own after the check), under torch's default switches, within a
 time limit. ``load_answers`` reads a reader's answers file, a ``.py`` file or an exercises notebook.
 """
@@ -26,8 +26,19 @@ from typing import Any
 
 import torch
 
-from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, ForbiddenCall, TimeLimitExceeded, TorchSwitches,
-                                            forbidden, package_as_loaded, resolve, shown, time_limited, too_slow)
+from llmscratch.exercises.isolation import (
+    PACKAGE,
+    TIME_LIMIT,
+    ForbiddenCall,
+    TimeLimitExceeded,
+    TorchSwitches,
+    forbidden,
+    package_as_loaded,
+    resolve,
+    shown,
+    time_limited,
+    too_slow,
+)
 
 __all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_path", "attempt", "describe", "diagnose",
            "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers", "number_of",

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from llmscratch.exercises.checking import Mismatch, attempt, describe
-from llmscratch.model import GPT, GPTConfig
+from llmscratch.model.config import GPTConfig
+from llmscratch.model.gpt import GPT
 
 __all__ = ["VOCAB", "build_module", "calls_recorded", "decoded", "flat_parameters", "lm_backward",
            "loss_and_gradient", "tiny_gpt", "token_ids"]

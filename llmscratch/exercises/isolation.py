@@ -1,7 +1,7 @@
 """What keeps a reader's answer from moving the goalposts of its own check, or from holding it up forever.
 
 An answer runs in the same process as the references it is compared with. It could replace a
-package function (``llmscratch.attention.causal_mask = ...``) or method (``GPT.forward = ...``),
+package function (``llmscratch.model.attention.causal_mask = ...``) or method (``GPT.forward = ...``),
 turn off gradients, change the default dtype, or never return. ``PACKAGE`` remembers the package
 as the exercises loaded it and puts it back; ``TorchSwitches`` does the same for torch's global
 switches; ``time_limited`` stops a check that runs too long. ``checking`` uses all three around
@@ -155,7 +155,9 @@ def shown(path: str) -> str:
     if path.startswith("torch.nn.functional."):
         return "F." + path.removeprefix("torch.nn.functional.")
     if path.startswith("llmscratch."):
-        return path.split(".", 2)[-1]  # llmscratch.model.GPT.num_params: GPT.num_params
+        called = "(...)" if path.endswith("(...)") else ""  # a class whose construction is forbidden
+        owner, name = resolve(path.removesuffix(called))  # llmscratch.model.gpt.GPT.num_params: GPT.num_params
+        return (f"{owner.__qualname__}.{name}" if isinstance(owner, type) else name) + called
     return path
 
 

@@ -9,7 +9,7 @@ import regex
 import torch
 from torch import nn
 
-from llmscratch.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer
+from llmscratch.text.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer
 
 
 def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.model import RMSNorm
+from llmscratch.model.norm import RMSNorm
+
 
 # %% causal_mask
 def causal_mask(q_len, kv_len):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscratch.model import GPT
+from llmscratch.model.gpt import GPT
 
 
 # %% swiglu

@@ -7,9 +7,10 @@ Each ``# %%`` line starts one cell (the percent format that editors run as noteb
 # %% imports
 import torch
 
-from llmscratch.generate import sample_next_token
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.train import learning_rate
+from llmscratch.model.generate import sample_next_token
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.training.optim import learning_rate
+
 
 # %% next_token_loss
 def next_token_loss(logits, targets):

@@ -11,9 +11,10 @@ import functools
 import torch
 from torch import nn
 
-from llmscratch.instruct import IGNORE_INDEX
-from llmscratch.model import evaluating
-from llmscratch.optim import OptimizerStep
+from llmscratch.model.gpt import evaluating
+from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.training.optim import OptimizerStep
+
 
 # %% last_token_logits
 def last_token_logits(logits, lengths):

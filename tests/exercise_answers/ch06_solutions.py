@@ -10,9 +10,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmscratch.metrics import rouge_tokens
-from llmscratch.instruct import IGNORE_INDEX
-from llmscratch.preference import sequence_logprobs
+from llmscratch.alignment.metrics import rouge_tokens
+from llmscratch.alignment.preference import sequence_logprobs
+from llmscratch.model.losses import IGNORE_INDEX
+
 
 # %% preference_scores
 def preference_scores(chosen_rewards, rejected_rewards, chosen_tokens, beta):

@@ -10,8 +10,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from llmscratch.losses import IGNORE_INDEX
-from llmscratch.prune import block_linears
+from llmscratch.deployment.prune import block_linears
+from llmscratch.model.losses import IGNORE_INDEX
+
 
 # %% quantize_rows_int8
 def quantize_rows_int8(weight):

@@ -1,0 +1,444 @@
+"""Hugging Face's model families in our terms: each family's ``config.json`` and tensor names, both ways.
+
+Six families map onto the one ``GPT`` (``llmscratch.model.gpt``):
+- gpt2: LayerNorm, GELU, learned positions, biases;
+- llama: RMSNorm, SwiGLU, RoPE, grouped-query attention;
+- qwen3: Llama with QK-norm (and a head size of its own, no biases);
+- gemma3_text: Qwen3's attention with a GeGLU MLP, norms after each sublayer too, scaled embeddings,
+  sliding-window layers between the global ones (each kind with its own RoPE base), and norm gains
+  stored as (gain - 1); also the language model of the multimodal Gemma 3 (model_type gemma3);
+- qwen3_moe: Qwen3 with a mixture of experts for its MLPs;
+- mixtral: Llama with a mixture of experts (and an optional sliding window in every layer).
+``weights.load_hf`` and ``weights.save_hf`` read and write the files.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from llmscratch.model.config import GPTConfig
+
+__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "family_of", "hf_to_ours", "language_model_tensors",
+           "ours_to_hf"]
+
+FAMILIES = ("gpt2", "llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+
+# HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
+_GPT2_LAYER = {  # ours -> HF, inside block i / h.i; "T" marks a transposed Conv1D weight
+    "attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
+    "attn.qkv.weight": "attn.c_attn.weight T", "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.out_proj.weight": "attn.c_proj.weight T", "attn.out_proj.bias": "attn.c_proj.bias",
+    "mlp_norm.weight": "ln_2.weight", "mlp_norm.bias": "ln_2.bias",
+    "mlp.fc.weight": "mlp.c_fc.weight T", "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.weight": "mlp.c_proj.weight T", "mlp.proj.bias": "mlp.c_proj.bias",
+}
+# An expert's three matrices: ours (stacked over experts) -> each family's name for one expert's
+_EXPERT_NAMES = {"qwen3_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+                 "mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
+# Buffers some GPT-2 checkpoints carry (the causal mask): derived, never needed.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+# --------------------------------------------------------------------------- configs
+def config_from_hf(hf: dict) -> GPTConfig:
+    """Our GPTConfig for a Hugging Face ``config.json`` of one of the ``FAMILIES``."""
+    family = hf.get("model_type")
+    if family == "gemma3":  # the multimodal Gemma 3 (4B and larger): its language model is a gemma3_text
+        if not isinstance(hf.get("text_config"), dict):
+            raise ValueError("a model_type 'gemma3' config needs its 'text_config' (the language model's)")
+        hf, family = {**hf["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; expected one of {list(FAMILIES)}")
+    try:
+        return _gpt2_config(hf) if family == "gpt2" else _decoder_config(hf, family)
+    except KeyError as err:
+        raise ValueError(f"the Hugging Face config has no {err.args[0]!r} entry, which a "
+                         f"{family} config needs") from None
+
+
+def _gpt2_config(hf: dict) -> GPTConfig:
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if hf.get(flag):
+            raise ValueError(f"GPT-2 option {flag}=true is not supported")
+    if not hf.get("scale_attn_weights", True):
+        raise ValueError("GPT-2 option scale_attn_weights=false is not supported: our attention "
+                         "always divides the scores by sqrt(head_dim)")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported; "
+                         "expected the tanh GELU ('gelu_new')")
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
+        n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+def _rope(params: dict | None, default_theta: float, where: str) -> tuple[float, float]:
+    """(base, linear scaling factor) of one RoPE parameter dict; plain and linear RoPE only."""
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"RoPE scaling of type {kind!r} ({where}) is not supported; only plain RoPE and linear scaling")
+    return float(params.get("rope_theta", default_theta)), float(params.get("factor", 1.0)) if kind == "linear" \
+        else 1.0
+
+
+def _decoder_config(hf: dict, family: str) -> GPTConfig:
+    """Llama and the families built on it."""
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    activation = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act")
+    expected_activation = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
+    if activation not in (None, expected_activation):
+        raise ValueError(f"{family} activation {activation!r} is not supported; expected {expected_activation!r}")
+    bias = hf.get("attention_bias", False)
+    if family == "llama" and hf.get("mlp_bias", False) != bias:
+        raise ValueError("attention_bias and mlp_bias must be equal (both biases or none)")
+    if family != "llama" and bias:
+        raise ValueError(f"attention_bias=true is not supported for {family}: its MLP has no biases, ours would")
+    fields = dict(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=hf["intermediate_size"], norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=bias, bias=bias,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", family == "gemma3_text"),
+        head_size=None if head_dim * heads == hf["hidden_size"] else head_dim, qk_norm=family in (
+            "qwen3", "gemma3_text", "qwen3_moe"),
+    )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if family == "gemma3_text":
+        fields.update(_gemma3_fields(hf, rope))
+    else:
+        fields["rope_theta"], fields["rope_scaling"] = _rope(rope, hf.get("rope_theta", 10_000.0), "rope_parameters")
+        fields.update(_sliding_fields(hf, family))
+    if family in ("qwen3_moe", "mixtral"):
+        fields.update(_moe_fields(hf, family))
+    return GPTConfig(**fields)
+
+
+def _layer_types(hf: dict) -> tuple[str, ...] | None:
+    types = hf.get("layer_types")
+    if types is None:
+        return None
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported; expected 'sliding_attention' or 'full_attention'")
+    return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+
+
+def _sliding_fields(hf: dict, family: str) -> dict:
+    window = hf.get("sliding_window")
+    if family == "llama" or window is None or (family in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window")):
+        return {}
+    if family == "qwen3":  # the layers from max_window_layers on slide, unless layer_types says otherwise
+        types = _layer_types(hf) or tuple("sliding" if i >= hf.get("max_window_layers", 28) else "full"
+                                          for i in range(hf["num_hidden_layers"]))
+        return {"sliding_window": window, "layer_types": types} if "sliding" in types else {}
+    return {"sliding_window": window}  # Mixtral, Qwen3-MoE: every layer
+
+
+def _gemma3_fields(hf: dict, rope: dict) -> dict:
+    for option in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(option) is not None:
+            raise ValueError(f"Gemma option {option}={hf[option]} is not supported (Gemma 2's soft-capping)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma option use_bidirectional_attention=true is not supported: a GPT is causal")
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one dict per kind of layer
+        theta, scaling = _rope(rope.get("full_attention"), 1_000_000.0, "full_attention")
+        local_theta, local_scaling = _rope(rope.get("sliding_attention"), 10_000.0, "sliding_attention")
+        if local_scaling != 1:
+            raise ValueError("RoPE scaling of Gemma's sliding layers is not supported (only of its full layers)")
+    else:  # the hub's files: rope_theta, rope_local_base_freq and rope_scaling for the full layers
+        theta, scaling = _rope(rope, hf.get("rope_theta", 1_000_000.0), "rope_scaling")
+        local_theta = float(hf.get("rope_local_base_freq", 10_000.0))
+    pattern = hf.get("sliding_window_pattern", 6)
+    types = _layer_types(hf) or tuple("sliding" if (i + 1) % pattern else "full" for i in range(hf["num_hidden_layers"]))
+    head_dim = hf.get("head_dim", 256)
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    return dict(mlp="geglu", post_norms=True, scale_embeddings=True, rope_theta=theta, rope_scaling=scaling,
+                rope_local_theta=local_theta, layer_types=types, sliding_window=hf.get("sliding_window", 4096),
+                query_scale=None if scalar == head_dim else float(scalar), head_size=head_dim)
+
+
+def _moe_fields(hf: dict, family: str) -> dict:
+    if hf.get("router_jitter_noise"):
+        raise ValueError("Mixtral option router_jitter_noise is not supported (noise on the router in training)")
+    k = hf["num_experts_per_tok"]
+    if family == "mixtral":
+        return dict(n_experts=hf["num_local_experts"], experts_per_token=k, norm_topk=True,
+                    router_aux_weight=hf.get("router_aux_loss_coef", 0.001) * k)
+    step = hf.get("decoder_sparse_step", 1)
+    dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(hf["num_hidden_layers"])
+                                                          if (i + 1) % step})
+    # transformers' balancing loss is k times ours (it counts each of a token's k slots as a token)
+    n_experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]  # transformers 5 writes the latter
+    return dict(n_experts=n_experts, experts_per_token=k, d_expert=hf["moe_intermediate_size"],
+                norm_topk=hf.get("norm_topk_prob", False), dense_layers=tuple(dense),
+                router_aux_weight=hf.get("router_aux_loss_coef", 0.001) * k)
+
+
+def family_of(config: GPTConfig) -> str:
+    """The Hugging Face family (one of ``FAMILIES``) that can hold this configuration; ValueError if none can."""
+    if (config.norm, config.mlp, config.position) == ("layernorm", "gelu", "learned") \
+            and config.kv_heads == config.n_heads and config.qkv_bias and config.bias and not _later_fields(config):
+        return "gpt2"
+    if (config.norm, config.position) != ("rmsnorm", "rope") or config.qkv_bias != config.bias:
+        raise ValueError(f"this configuration is neither GPT-2 nor Llama shaped, so no Hugging Face "
+                         f"format holds it: {config}")
+    if config.n_experts is not None:
+        family = "qwen3_moe" if config.qk_norm else "mixtral"
+    elif config.post_norms or config.scale_embeddings or config.mlp == "geglu":
+        family = "gemma3_text"
+    else:
+        family = "qwen3" if config.qk_norm else "llama"
+    problems = _family_problems(config, family)
+    if problems:
+        raise ValueError(f"this configuration looks like {family} but {'; '.join(problems)}, which no Hugging Face "
+                         f"{family} model has (its safetensors export still holds it)")
+    return family
+
+
+def _later_fields(config: GPTConfig) -> list[str]:
+    """The choices beyond GPT-2 and Llama that this config makes."""
+    made = {"sliding layers": "sliding" in config.attention_types, "post_norms": config.post_norms,
+            "scale_embeddings": config.scale_embeddings, "query_scale": config.query_scale is not None,
+            "rope_local_theta": config.rope_local_theta is not None, "rope_scaling": config.rope_scaling != 1,
+            "n_experts": config.n_experts is not None, "qk_norm": config.qk_norm, "mlp=geglu": config.mlp == "geglu"}
+    return [name for name, on in made.items() if on]
+
+
+# What each family has, of _later_fields' choices
+_FAMILY_CHOICES = {
+    "llama": {"rope_scaling"},
+    "qwen3": {"qk_norm", "sliding layers", "rope_scaling"},
+    "gemma3_text": {"qk_norm", "sliding layers", "post_norms", "scale_embeddings", "query_scale", "rope_local_theta",
+                    "rope_scaling", "mlp=geglu"},
+    "qwen3_moe": {"qk_norm", "n_experts", "sliding layers", "rope_scaling"},
+    "mixtral": {"n_experts", "sliding layers", "rope_scaling"},
+}
+
+
+def _family_problems(config: GPTConfig, family: str) -> list[str]:
+    problems = [f"it has {name}" for name in _later_fields(config) if name not in _FAMILY_CHOICES[family]]
+    if family == "gemma3_text":
+        problems += [f"it lacks {name}" for name in ("qk_norm", "post_norms", "scale_embeddings", "mlp=geglu")
+                     if name not in _later_fields(config)]
+        if config.rope_scaling != 1 and config.rope_local_theta is None and "sliding" in config.attention_types:
+            problems.append("its sliding layers share the full layers' scaled RoPE (Gemma's have their own base)")
+    elif config.mlp != "swiglu":
+        problems.append(f"its mlp is {config.mlp}")
+    if family != "llama" and config.bias:
+        problems.append("it has biases")
+    if family in ("qwen3_moe", "mixtral", "llama") and "sliding" in config.attention_types \
+            and "full" in config.attention_types:
+        problems.append("it mixes sliding and full layers")
+    if config.n_experts is not None and config.shared_experts:
+        problems.append("it has shared experts")
+    if family == "mixtral" and (not config.norm_topk or config.dense_layers):
+        problems.append("its routing weights are not renormalised or it has dense layers")
+    if family == "qwen3_moe" and config.dense_layers and config.d_ff is None:
+        problems.append("its dense layers have no d_ff")
+    return problems
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    """The ``config.json`` transformers needs to rebuild this model."""
+    family = family_of(config)
+    if family == "gpt2":
+        return {"architectures": [ARCHITECTURES[family]], "model_type": "gpt2",
+                "vocab_size": config.vocab_size, "n_positions": config.context_length,
+                "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
+                "n_inner": config.d_ff, "activation_function": "gelu_new",
+                "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+                "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout}
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling != 1:
+        rope.update(rope_type="linear", factor=config.rope_scaling)
+    hf = {"architectures": [ARCHITECTURES[family]], "model_type": family,
+          "vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
+          "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+          "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
+          "head_dim": config.head_dim, "intermediate_size": config.hidden_dim, "hidden_act": "silu",
+          "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "rope_parameters": rope,
+          "attention_bias": config.bias, "tie_word_embeddings": config.tie_embeddings,
+          "attention_dropout": config.dropout}
+    sliding = "sliding" in config.attention_types
+    hf_types = ["sliding_attention" if t == "sliding" else "full_attention" for t in config.attention_types]
+    if family == "llama":
+        hf["mlp_bias"] = config.bias
+    elif family == "qwen3":
+        hf.update(use_sliding_window=sliding, sliding_window=config.sliding_window, layer_types=hf_types,
+                  max_window_layers=config.n_layers)
+    elif family == "gemma3_text":
+        del hf["hidden_act"], hf["rope_theta"]
+        scalar = config.head_dim if config.query_scale is None else config.query_scale
+        local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
+        hf.update(hidden_activation="gelu_pytorch_tanh", layer_types=hf_types,
+                  sliding_window=config.sliding_window or config.context_length,
+                  query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                  rope_parameters={"full_attention": rope,
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+                  final_logit_softcapping=None, attn_logit_softcapping=None)
+    else:  # the mixtures of experts
+        hf.update(num_experts_per_tok=config.experts_per_token, sliding_window=config.sliding_window,
+                  router_aux_loss_coef=config.router_aux_weight / config.experts_per_token)
+        if family == "mixtral":
+            hf.update(num_local_experts=config.n_experts, intermediate_size=config.expert_dim)
+        else:
+            hf.update(num_experts=config.n_experts, moe_intermediate_size=config.expert_dim,
+                      norm_topk_prob=config.norm_topk, decoder_sparse_step=1, mlp_only_layers=list(config.dense_layers),
+                      use_sliding_window=sliding)
+    return hf
+
+
+# --------------------------------------------------------------------------- tensors
+# A multimodal checkpoint's language model, under the names of the hub's files and of transformers 5
+_LANGUAGE_MODEL = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                   "model.language_model.": "model."}
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensors(hf_config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of the language model alone, under a text model's names, for a multimodal config (Gemma 3 4B
+    and larger: model_type 'gemma3'); the vision tower and its projector are left out. Other configs: as given."""
+    if hf_config.get("model_type") != "gemma3":
+        return tensors
+    text = {}
+    for name, tensor in tensors.items():
+        if name.startswith(_VISION):
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL if name.startswith(p)), None)
+        text[name if prefix is None else _LANGUAGE_MODEL[prefix] + name[len(prefix):]] = tensor
+    return text
+
+
+def _decoder_names(config: GPTConfig, family: str) -> list[tuple[str, str]]:
+    """(ours, HF) for every tensor of a Llama-like family that maps one to one (qkv and the experts apart)."""
+    pairs = [("token_embedding.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight")]
+    for i in range(config.n_layers):
+        names = {"attn_norm.weight": "input_layernorm.weight", "attn.out_proj.weight": "self_attn.o_proj.weight"}
+        if config.qk_norm:
+            names.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+        if config.post_norms:  # Gemma: attention's post-norm takes the name that is Llama's pre-MLP norm
+            names.update({"attn_post_norm.weight": "post_attention_layernorm.weight",
+                          "mlp_norm.weight": "pre_feedforward_layernorm.weight",
+                          "mlp_post_norm.weight": "post_feedforward_layernorm.weight"})
+        else:
+            names["mlp_norm.weight"] = "post_attention_layernorm.weight"
+        if config.is_moe(i):
+            names["mlp.router.weight"] = "block_sparse_moe.gate.weight" if family == "mixtral" else "mlp.gate.weight"
+        else:
+            names.update({f"mlp.{ours}.weight": f"mlp.{ours}_proj.weight" for ours in ("gate", "up", "down")})
+        if config.bias:
+            names.update({name.replace(".weight", ".bias"): hf.replace(".weight", ".bias") for name, hf in
+                          names.items() if name.startswith(("attn.out_proj", "mlp."))})
+        pairs += [(f"blocks.{i}.{ours}", f"model.layers.{i}.{hf}") for ours, hf in names.items()]
+    return pairs
+
+
+def _is_gain(name: str) -> bool:
+    return name.endswith("norm.weight")  # every RMSNorm's gain (attn_norm, q_norm, final_norm, ...)
+
+
+def hf_to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Rename (and transpose, concatenate or stack) HF tensors into our state dict; strict about leftovers."""
+    tensors = dict(tensors)
+    take = _taker(tensors)
+    family = family_of(config)
+    ours = {}
+    if family == "gpt2":
+        prefix = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
+        ours["token_embedding.weight"] = take(f"{prefix}wte.weight")
+        ours["position_embedding.weight"] = take(f"{prefix}wpe.weight")
+        ours["final_norm.weight"] = take(f"{prefix}ln_f.weight")
+        ours["final_norm.bias"] = take(f"{prefix}ln_f.bias")
+        for i in range(config.n_layers):
+            for name, hf_name in _GPT2_LAYER.items():
+                hf_name, _, transposed = hf_name.partition(" ")
+                tensor = take(f"{prefix}h.{i}.{hf_name}")
+                ours[f"blocks.{i}.{name}"] = tensor.t() if transposed else tensor
+        for name in [k for k in tensors if k.endswith(IGNORED_SUFFIXES)]:
+            del tensors[name]
+    else:
+        for name, hf_name in _decoder_names(config, family):
+            tensor = take(hf_name)
+            # Gemma stores each gain as (gain - 1), applied as x * (1 + w): ours holds the gain itself
+            ours[name] = tensor.float() + 1 if family == "gemma3_text" and _is_gain(name) else tensor
+        for i in range(config.n_layers):
+            layer = f"model.layers.{i}"
+            # Our fused qkv projection is q_proj, k_proj and v_proj stacked along the output rows.
+            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
+                ours[f"blocks.{i}.attn.qkv.{part}"] = torch.cat([take(f"{layer}.self_attn.{p}_proj.{part}")
+                                                                for p in "qkv"])
+            if config.is_moe(i):
+                ours.update(_experts_in(take, tensors, config, family, i))
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some files store the tied head as well
+        ours["lm_head.weight"] = ours["token_embedding.weight"]
+    else:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    if tensors:
+        raise ValueError(f"unexpected tensors in the checkpoint: {sorted(tensors)[:10]}")
+    return ours
+
+
+def _experts_in(take: Callable[[str], torch.Tensor], tensors: dict, config: GPTConfig, family: str,
+                layer: int) -> dict[str, torch.Tensor]:
+    """Block ``layer``'s experts stacked (E, ...): from one tensor per expert (the hub's files), or from the
+    (E, 2 d_expert, d) gate_up and (E, d, d_expert) down tensors that transformers 5 keeps in memory."""
+    ours = f"blocks.{layer}.mlp"
+    fused = f"model.layers.{layer}.mlp.experts"
+    if f"{fused}.gate_up_proj" in tensors:
+        gate, up = take(f"{fused}.gate_up_proj").chunk(2, dim=1)
+        return {f"{ours}.gate": gate, f"{ours}.up": up, f"{ours}.down": take(f"{fused}.down_proj")}
+    module = "block_sparse_moe" if family == "mixtral" else "mlp"
+    return {f"{ours}.{name}": torch.stack([take(f"model.layers.{layer}.{module}.experts.{e}.{hf}.weight")
+                                           for e in range(config.n_experts)])
+            for name, hf in _EXPERT_NAMES[family].items()}
+
+
+def ours_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict under transformers' names (the inverse of ``hf_to_ours``); experts one tensor each."""
+    family = family_of(config)
+    hf = {}
+    if family == "gpt2":
+        hf["transformer.wte.weight"] = state["token_embedding.weight"]
+        hf["transformer.wpe.weight"] = state["position_embedding.weight"]
+        hf["transformer.ln_f.weight"] = state["final_norm.weight"]
+        hf["transformer.ln_f.bias"] = state["final_norm.bias"]
+        for i in range(config.n_layers):
+            for name, hf_name in _GPT2_LAYER.items():
+                hf_name, _, transposed = hf_name.partition(" ")
+                tensor = state[f"blocks.{i}.{name}"]
+                hf[f"transformer.h.{i}.{hf_name}"] = tensor.t() if transposed else tensor
+    else:
+        for name, hf_name in _decoder_names(config, family):
+            tensor = state[name]
+            hf[hf_name] = (tensor.float() - 1).to(tensor.dtype) if family == "gemma3_text" and _is_gain(name) else tensor
+        sizes = (config.n_heads * config.head_dim, config.kv_heads * config.head_dim,
+                 config.kv_heads * config.head_dim)
+        for i in range(config.n_layers):
+            layer = f"model.layers.{i}"
+            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
+                for proj, tensor in zip("qkv", state[f"blocks.{i}.attn.qkv.{part}"].split(sizes)):
+                    hf[f"{layer}.self_attn.{proj}_proj.{part}"] = tensor
+            if config.is_moe(i):
+                module = "block_sparse_moe" if family == "mixtral" else "mlp"
+                for name, hf_name in _EXPERT_NAMES[family].items():
+                    for e, tensor in enumerate(state[f"blocks.{i}.mlp.{name}"]):
+                        hf[f"{layer}.{module}.experts.{e}.{hf_name}.weight"] = tensor
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    return {name: tensor.contiguous() for name, tensor in hf.items()}
+
+
+def _taker(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"the checkpoint has no tensor {name!r} (missing)")
+        return tensors.pop(name)
+    return take
+
+
