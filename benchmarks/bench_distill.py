@@ -23,14 +23,8 @@ import torch
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, set_threads, today
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.deployment.distill import (
-    DistillationTrainer,
-    DistillConfig,
-    student_config,
-    teacher_agreement,
-    text_splits,
-    train_student,
-)
+from llmscratch.deployment.distill import (DistillationTrainer, DistillConfig, student_config, teacher_agreement,
+                                           text_splits, train_student)
 from llmscratch.files import write_json_atomically
 from llmscratch.model.checkpoint import export_model, model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.model.gpt import GPT

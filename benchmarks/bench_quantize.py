@@ -35,15 +35,8 @@ from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_ch
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate
 from llmscratch.model.gpt import GPT
-from llmscratch.model.quantize import (
-    QuantizedLinear,
-    dequantize_int8,
-    native_word_product,
-    quantize,
-    quantize_int8,
-    to_word_order,
-    word_product,
-)
+from llmscratch.model.quantize import (QuantizedLinear, dequantize_int8, native_word_product, quantize, quantize_int8,
+                                       to_word_order, word_product)
 from llmscratch.profiling import round_robin, time_once
 from llmscratch.training.evaluation import evaluate, token_byte_lengths
 

@@ -27,12 +27,8 @@ from tqdm import tqdm
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.deployment.speculative import (
-    SpeculativeStats,
-    expected_tokens_per_round,
-    predicted_speedup,
-    speculative_generate,
-)
+from llmscratch.deployment.speculative import (SpeculativeStats, expected_tokens_per_round, predicted_speedup,
+                                               speculative_generate)
 from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate

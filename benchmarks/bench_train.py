@@ -30,16 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 
 import transformers  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    add_threads_flag,
-    device_flag,
-    device_name,
-    load_average,
-    machine_description,
-    median,
-    set_threads,
-    today,
-)
+from benchmarks.common import (add_threads_flag, device_flag, device_name, load_average,  # noqa: E402
+                               machine_description, median, set_threads, today)
 from llmscratch.device import autocast  # noqa: E402
 from llmscratch.files import write_json_atomically  # noqa: E402
 from llmscratch.model.config import GPTConfig  # noqa: E402

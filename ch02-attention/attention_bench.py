@@ -16,18 +16,12 @@ import torch
 from matplotlib.ticker import NullLocator
 from tqdm import tqdm
 
-from llmscratch.cli import check_out_files, run_script
-from llmscratch.device import DTYPES, choose_dtype, resolve_device
+from llmscratch.cli import check_device, check_out_files, run_script
+from llmscratch.device import DTYPES, choose_dtype
 from llmscratch.model.attention import MultiHeadAttention
 from llmscratch.model.rope import RotaryEmbedding
-from llmscratch.profiling import (
-    backward_step,
-    device_description,
-    failed_allocation,
-    peak_memory_bytes,
-    sdpa_kernels,
-    time_steps,
-)
+from llmscratch.profiling import (backward_step, device_description, failed_allocation, peak_memory_bytes, sdpa_kernels,
+                                  time_steps)
 
 VARIANTS = ("explicit", "fused", "compiled")
 
@@ -59,10 +53,7 @@ def parse_args() -> argparse.Namespace:
     add("--out", type=Path, default=Path("runs/attention_bench.png"), help="where to save the plot (PNG)")
     add("--seed", type=int, default=0, help="seed for the weights and inputs")
     args = parser.parse_args()
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
+    check_device(parser, args)
     if args.dtype == "auto":
         args.dtype = choose_dtype(args.device)
     for flag_name, values in (("--seq-lens", args.seq_lens), ("--batch-size", [args.batch_size]),

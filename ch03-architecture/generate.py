@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from llmscratch.cli import check_device
 from llmscratch.cli import run_script
-from llmscratch.device import DTYPES, resolve_device
+from llmscratch.device import DTYPES
 from llmscratch.model.generate import stream_text
 from llmscratch.model.weights import load_model_and_tokenizer  # every model source the course writes, one loader
 
@@ -64,10 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.ignore_eos and args.eos_id is not None:
         parser.error("--eos-id and --ignore-eos contradict each other: give one of them")
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:  # "device 'x' is not a device name; ...": as the flag, "--device 'x' ..."
-        parser.error(f"--{err}")
+    check_device(parser, args)
     return args
 
 

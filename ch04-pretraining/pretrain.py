@@ -27,17 +27,8 @@ from llmscratch.runfolder import folder_problem
 from llmscratch.training import distributed
 from llmscratch.training.config import TrainConfig
 from llmscratch.training.parallel import mesh_shape
-from llmscratch.training.pretraining import (
-    RUN_FILE,
-    build_configs,
-    hold_run_folder,
-    load_data,
-    model_config_for,
-    read_run_flags,
-    run_folder_problem,
-    train_and_export,
-    train_config_for,
-)
+from llmscratch.training.pretraining import (RUN_FILE, build_configs, hold_run_folder, load_data, model_config_for,
+                                             read_run_flags, run_folder_problem, train_and_export, train_config_for)
 from llmscratch.training.train import CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR
 
 # The default run: what the flags of TrainConfig's fields start from (--min-lr's default follows --lr).

@@ -19,25 +19,11 @@ import torch
 from llmscratch.assets import SMS_SPAM_PATH
 from llmscratch.cli import add_out_dir_flags, run_folder, value_errors_exit
 from llmscratch.files import write_json_atomically
-from llmscratch.finetuning.classify import (
-    SPAM_LABELS,
-    Classifier,
-    GPTClassifier,
-    classification_loss,
-    evaluate_classifier,
-    make_batches,
-    spam_splits,
-)
+from llmscratch.finetuning.classify import (SPAM_LABELS, Classifier, GPTClassifier, classification_loss,
+                                            evaluate_classifier, make_batches, spam_splits)
 from llmscratch.finetuning.config import FinetuneConfig
-from llmscratch.finetuning.finetune import (
-    ADAPTERS_FILE,
-    check_trainable,
-    end_of_text_id,
-    fit,
-    fit_and_save,
-    load_base,
-    set_trainable,
-)
+from llmscratch.finetuning.finetune import (ADAPTERS_FILE, check_trainable, end_of_text_id, fit, fit_and_save,
+                                            load_base, set_trainable)
 from llmscratch.finetuning.flags import add_finetune_flags, check_finetune_flags, finetune_config
 from llmscratch.runfolder import save_or_rescue
 

@@ -24,28 +24,12 @@ from llmscratch.assets import INSTRUCTIONS_PATH
 from llmscratch.cli import add_out_dir_flags, run_folder, value_errors_exit
 from llmscratch.files import write_json_atomically, write_text_atomically
 from llmscratch.finetuning.config import FinetuneConfig
-from llmscratch.finetuning.finetune import (
-    ADAPTERS_FILE,
-    check_trainable,
-    end_of_text_id,
-    fit,
-    fit_and_save,
-    load_base,
-    set_trainable,
-)
+from llmscratch.finetuning.finetune import (ADAPTERS_FILE, check_trainable, end_of_text_id, fit, fit_and_save,
+                                            load_base, set_trainable)
 from llmscratch.finetuning.flags import add_finetune_flags, check_finetune_flags, finetune_config
-from llmscratch.finetuning.instruct import (
-    MAX_NEW_TOKENS,
-    Replay,
-    answers_jsonl,
-    comparison_table,
-    encode_records,
-    lm_loss_with_replay,
-    make_batches,
-    read_instruction_splits,
-    response_loss,
-    score_answers,
-)
+from llmscratch.finetuning.instruct import (MAX_NEW_TOKENS, Replay, answers_jsonl, comparison_table, encode_records,
+                                            lm_loss_with_replay, make_batches, read_instruction_splits, response_loss,
+                                            score_answers)
 from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
 

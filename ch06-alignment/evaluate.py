@@ -24,18 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from llmscratch.alignment.report import (
-    TEST_MODE_ITEMS,
-    Benchmarks,
-    load_benchmarks,
-    markdown_table,
-    read_choice_items,
-    score_model,
-    write_report,
-)
+from llmscratch.alignment.report import (TEST_MODE_ITEMS, Benchmarks, load_benchmarks, markdown_table,
+                                         read_choice_items, score_model, write_report)
 from llmscratch.assets import INSTRUCTION_CHOICES_PATH, MOBY_CLOZE_PATH
-from llmscratch.cli import resolve_model, run_folder, value_errors_exit
-from llmscratch.device import resolve_device
+from llmscratch.cli import check_device, resolve_model, run_folder, value_errors_exit
 from llmscratch.files import input_problem
 from llmscratch.runfolder import folder_problem, save_or_rescue
 
@@ -82,10 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"two --model columns share a name ({', '.join(labels)}); name them with LABEL=PATH")
     if problem := folder_problem(args.out_dir):
         parser.error(f"--out-dir {args.out_dir}: {problem}")
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
+    check_device(parser, args)
     args.items = TEST_MODE_ITEMS if args.test_mode else args.limit  # per benchmark
     args.windows = 2 if args.test_mode else args.limit  # of held-out text
     return args

@@ -29,37 +29,14 @@ from llmscratch.alignment.dpo import pair_batches, plot_dpo, preference_scores, 
 from llmscratch.alignment.preference import ReferenceModel
 from llmscratch.alignment.tasks import STYLES, style_pairs
 from llmscratch.assets import INSTRUCTIONS_PATH, PREFERENCES_PATH
-from llmscratch.cli import (
-    HelpFormatter,
-    add_flags,
-    add_out_dir_flags,
-    check_in_files,
-    check_out_dir,
-    refuse,
-    run_folder,
-    value_errors_exit,
-)
-from llmscratch.device import resolve_device
+from llmscratch.cli import (HelpFormatter, add_flags, add_out_dir_flags, check_device, check_in_files, check_out_dir,
+                            refuse, run_folder, value_errors_exit)
 from llmscratch.files import write_json_atomically, write_text_atomically
-from llmscratch.finetuning.finetune import (
-    ADAPTERS_FILE,
-    check_trainable,
-    end_of_text_id,
-    fit_and_save,
-    load_base,
-    set_trainable,
-)
+from llmscratch.finetuning.finetune import (ADAPTERS_FILE, check_trainable, end_of_text_id, fit_and_save, load_base,
+                                            set_trainable)
 from llmscratch.finetuning.flags import add_lora_flags, finetune_config, starting_model
-from llmscratch.finetuning.instruct import (
-    MAX_NEW_TOKENS,
-    answers_jsonl,
-    comparison_table,
-    encode_records,
-    read_instruction_splits,
-    read_json_records,
-    score_answers,
-    split_records,
-)
+from llmscratch.finetuning.instruct import (MAX_NEW_TOKENS, answers_jsonl, comparison_table, encode_records,
+                                            read_instruction_splits, read_json_records, score_answers, split_records)
 from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
 
@@ -113,10 +90,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     check_out_dir(parser, args.out_dir, starting_model=("--model", args.model))
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
+    check_device(parser, args)
     try:
         finetune_config(args, DPOConfig)  # made again by run(): refused here, before any work
     except ValueError as err:

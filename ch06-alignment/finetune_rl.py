@@ -29,34 +29,14 @@ from llmscratch.alignment.grpo import pass_at_k_scores, pass_at_k_table, plot_rl
 from llmscratch.alignment.report import held_out_moby_dick, held_out_scores
 from llmscratch.alignment.tasks import draw_prompts
 from llmscratch.assets import INSTRUCTIONS_PATH
-from llmscratch.cli import (
-    HelpFormatter,
-    add_flags,
-    add_out_dir_flags,
-    check_in_files,
-    check_out_dir,
-    refuse,
-    run_folder,
-    value_errors_exit,
-)
-from llmscratch.device import resolve_device
+from llmscratch.cli import (HelpFormatter, add_flags, add_out_dir_flags, check_device, check_in_files, check_out_dir,
+                            refuse, run_folder, value_errors_exit)
 from llmscratch.files import write_json_atomically, write_text_atomically
-from llmscratch.finetuning.finetune import (
-    ADAPTERS_FILE,
-    check_trainable,
-    end_of_text_id,
-    fit_and_save,
-    load_base,
-    set_trainable,
-)
+from llmscratch.finetuning.finetune import (ADAPTERS_FILE, check_trainable, end_of_text_id, fit_and_save, load_base,
+                                            set_trainable)
 from llmscratch.finetuning.flags import add_lora_flags, finetune_config, starting_model
-from llmscratch.finetuning.instruct import (
-    answers_jsonl,
-    comparison_table,
-    encode_records,
-    read_instruction_splits,
-    score_answers,
-)
+from llmscratch.finetuning.instruct import (answers_jsonl, comparison_table, encode_records, read_instruction_splits,
+                                            score_answers)
 from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
 
@@ -110,10 +90,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.pass_samples < 0:
         parser.error(f"--pass-samples must be 0 (skip) or more, got {args.pass_samples}")
     check_out_dir(parser, args.out_dir, starting_model=("--model", args.model))
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
+    check_device(parser, args)
     if args.test_mode:
         for name, value in TEST_MODE.items():
             setattr(args, name, min(getattr(args, name), value))

@@ -32,14 +32,8 @@ from collections import Counter
 from pathlib import Path
 
 from llmscratch.alignment.tasks import build_preference_data
-from llmscratch.assets import (
-    INSTRUCTION_ANSWERS_PATH,
-    INSTRUCTION_CHOICES_PATH,
-    INSTRUCTIONS_PATH,
-    PREFERENCES_PATH,
-    dumps_answers,
-    write_or_check_records,
-)
+from llmscratch.assets import (INSTRUCTIONS_PATH, INSTRUCTION_ANSWERS_PATH, INSTRUCTION_CHOICES_PATH, PREFERENCES_PATH,
+                               dumps_answers, write_or_check_records)
 from llmscratch.cli import check_out_files, run_script
 from llmscratch.files import write_text_atomically
 from llmscratch.finetuning.instruct import SPLITS, exact_match, model_answers, validate_records

@@ -22,26 +22,11 @@ import time
 from pathlib import Path
 
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
-from llmscratch.cli import (
-    HelpFormatter,
-    add_flags,
-    add_out_dir_flags,
-    build_config,
-    check_out_dir,
-    refuse,
-    run_folder,
-    run_script,
-    value_errors_exit,
-)
-from llmscratch.deployment.distill import (
-    STUDENT_SHAPE,
-    DistillConfig,
-    student_config,
-    teacher_agreement,
-    text_splits,
-    train_student,
-)
-from llmscratch.device import DTYPES, choose_dtype, resolve_device
+from llmscratch.cli import (HelpFormatter, add_flags, add_out_dir_flags, build_config, check_device, check_out_dir,
+                            refuse, run_folder, run_script, value_errors_exit)
+from llmscratch.deployment.distill import (STUDENT_SHAPE, DistillConfig, student_config, teacher_agreement, text_splits,
+                                           train_student)
+from llmscratch.device import DTYPES, choose_dtype
 from llmscratch.files import write_json_atomically
 from llmscratch.model.checkpoint import export_model
 from llmscratch.model.config import GPTConfig
@@ -88,10 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.teacher.exists():
         parser.error(f"--teacher {args.teacher}: no such file or folder")
     check_out_dir(parser, args.out_dir, starting_model=("--teacher", args.teacher))
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
+    check_device(parser, args)
     try:
         GPTConfig(**{name: getattr(args, name) for name in STUDENT_SHAPE})
     except ValueError as err:  # d_model=100 is not divisible by n_heads=3: the fields are the flags

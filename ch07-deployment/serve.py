@@ -6,7 +6,7 @@
     python ch07-deployment/serve.py --model ~/models/Qwen3-0.6B       # a Hugging Face folder, in its chat format
 
 Then open http://127.0.0.1:8000/ in a browser, or talk to it with curl or the official openai
-client (base_url "http://127.0.0.1:8000/v1"); the README shows both. Endpoints: /v1/completions,
+client (base_url "http://127.0.0.1:8000/v1"); docs/serving.md shows both. Endpoints: /v1/completions,
 /v1/chat/completions (streamed with "stream": true), /v1/models, /health, /metrics.
 
 API keys come from --api-key (repeatable) and from the environment variable LLMSCRATCH_API_KEYS
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from llmscratch.cli import resolve_model, run_script, value_errors_exit
+from llmscratch.cli import check_device, resolve_model, run_script, value_errors_exit
 from llmscratch.deployment.engine import BATCH_SHAPES, Engine
 from llmscratch.deployment.server import create_app
-from llmscratch.device import DTYPES, resolve_device
+from llmscratch.device import DTYPES
 from llmscratch.model.weights import load_model_and_tokenizer
 from llmscratch.text.chat_template import ChatTemplate
 
@@ -59,9 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.api_key = [key.strip() for key in keys if key.strip()]  # as a client's header is read: spaces stripped
     try:
         args.name_default, args.model = resolve_model(args.model)
-        args.device = resolve_device(args.device)
     except ValueError as err:
         parser.error(str(err))
+    check_device(parser, args)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
     for flag, value in (("--max-slots", args.max_slots), ("--max-waiting", args.max_waiting),

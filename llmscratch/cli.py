@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmscratch.assets import PRETRAINED_PATH
 from llmscratch.config import ConfigError, types_of
+from llmscratch.device import resolve_device
 from llmscratch.files import input_problem
 from llmscratch.interrupt import TrainingDiverged
 from llmscratch.runfolder import FolderInUse, claim, file_problem, folder_problem, present, same_folder
@@ -83,6 +84,14 @@ def refuse(parser: argparse.ArgumentParser, err: ValueError):
     if isinstance(err, ConfigError):
         parser.error(f"{flag(err.name)} {err.problem}, got {err.value!r}")
     parser.error(str(err))
+
+
+def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.device`` resolved to a torch.device on this machine (``resolve_device``), or parser.error naming it."""
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
 
 
 @contextlib.contextmanager

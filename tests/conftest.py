@@ -1,8 +1,17 @@
 """Marks for the whole suite: every notebook cell that nbval runs is slow (a notebook runs whole or not at all);
 tests marked cuda are deselected where torch sees no CUDA GPU. And ``one_torch_thread``, for test files of tiny models
-(``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+(``pytestmark = pytest.mark.usefixtures("one_torch_thread")``). Under pytest-xdist (``pyproject.toml``: one worker per
+core) each worker runs torch on one thread."""
+
+import os
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The workers share the cores: one thread each. A torch thread waiting for a core that another process holds
+    # spins, and small models then run 10-50x slower. Set before torch is imported and before any notebook kernel
+    # or script starts, so that they all inherit it.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,15 +11,8 @@ import torch.distributed as dist
 from tiny_training import model_config, tokenizer
 from torch import nn
 
-from llmscratch.model.checkpoint import (
-    clean_state_dict,
-    export_model,
-    load_checkpoint,
-    load_model_state,
-    model_from_checkpoint,
-    save_checkpoint,
-    tokenizer_from_checkpoint,
-)
+from llmscratch.model.checkpoint import (clean_state_dict, export_model, load_checkpoint, load_model_state,
+                                         model_from_checkpoint, save_checkpoint, tokenizer_from_checkpoint)
 from llmscratch.model.gpt import GPT, unwrap
 from llmscratch.training.resume import check_model_config
 

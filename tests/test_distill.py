@@ -19,16 +19,8 @@ from processes import run as run_process
 from benchmarks.bench_distill import comparison, markdown, spread
 from llmscratch.assets import PRETRAINED_PATH, read_moby_dick
 from llmscratch.config import ConfigError
-from llmscratch.deployment.distill import (
-    STUDENT_SHAPE,
-    DistillationTrainer,
-    DistillConfig,
-    distillation_loss,
-    student_config,
-    teacher_agreement,
-    text_splits,
-    train_student,
-)
+from llmscratch.deployment.distill import (STUDENT_SHAPE, DistillationTrainer, DistillConfig, distillation_loss,
+                                           student_config, teacher_agreement, text_splits, train_student)
 from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.model.gpt import GPT
 from llmscratch.model.losses import IGNORE_INDEX

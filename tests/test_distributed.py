@@ -101,7 +101,10 @@ def test_one_torchrun_process_takes_the_parallel_path_and_trains_as_a_plain_proc
     """torchrun --nproc_per_node 1 (a machine with one GPU) wraps and shards as with many processes: --parallel fsdp
     writes the sharded checkpoint folder, and the losses are those of the same run without torchrun."""
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-    flags = ["--data", str(tmp_path / "text.txt"), *PRETRAIN_FLAGS, "--device", "cpu", "--max-steps", "3"]
+    # float32 on every CPU: with AMX units the default is bfloat16, whose rounding FSDP's other order of sums
+    # moves by more than the 1e-5 compared below (seen on an Intel Xeon with AMX).
+    flags = ["--data", str(tmp_path / "text.txt"), *PRETRAIN_FLAGS, "--device", "cpu", "--max-steps", "3",
+             "--dtype", "float32"]
     for parallel in ("ddp", "fsdp"):
         launched = torchrun(PRETRAIN, [*flags, "--out-dir", str(tmp_path / parallel), "--parallel", parallel],
                             timeout=300, nproc=1)

@@ -13,16 +13,8 @@ from llmscratch.alignment.grpo import clipped_objective, group_advantages, pass_
 from llmscratch.alignment.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
 from llmscratch.alignment.preference import collate_pairs, dpo_loss, sequence_logprobs
 from llmscratch.exercises import ch06
-from llmscratch.exercises.ch06_references import (
-    clipped_objective64,
-    dpo64,
-    group_advantages64,
-    ipo_loss64,
-    longest_common_substring,
-    response_logprobs64,
-    simpo_loss64,
-    wilson64,
-)
+from llmscratch.exercises.ch06_references import (clipped_objective64, dpo64, group_advantages64, ipo_loss64,
+                                                  longest_common_substring, response_logprobs64, simpo_loss64, wilson64)
 from llmscratch.exercises.fixtures import tiny_gpt
 from llmscratch.model.losses import IGNORE_INDEX
 

@@ -11,17 +11,8 @@ from llmscratch.deployment.distill import distillation_loss
 from llmscratch.deployment.prune import block_linears, magnitude_prune
 from llmscratch.deployment.speculative import accept_draft, expected_tokens_per_round, residual_distribution
 from llmscratch.exercises import ch07
-from llmscratch.exercises.ch07_references import (
-    accept64,
-    dequantize_int4_64,
-    distill64,
-    int8_scales64,
-    int8_values,
-    keep_masks,
-    pack_int4_64,
-    two_four_mask,
-    w8a8_linear64,
-)
+from llmscratch.exercises.ch07_references import (accept64, dequantize_int4_64, distill64, int8_scales64, int8_values,
+                                                  keep_masks, pack_int4_64, two_four_mask, w8a8_linear64)
 from llmscratch.exercises.fixtures import tiny_gpt
 from llmscratch.model.losses import IGNORE_INDEX
 from llmscratch.model.quantize import dequantize_int4, pack_int4, quantize_int4, quantize_int8

@@ -23,14 +23,8 @@ from llmscratch.files import read_safetensors
 from llmscratch.finetuning.classify import Classifier, GPTClassifier
 from llmscratch.finetuning.config import LoRAConfig
 from llmscratch.finetuning.lora import apply_lora, load_adapters, save_adapters
-from llmscratch.model.checkpoint import (
-    export_model,
-    export_state_dict,
-    load_checkpoint,
-    model_from_checkpoint,
-    save_checkpoint,
-    tokenizer_from_checkpoint,
-)
+from llmscratch.model.checkpoint import (export_model, export_state_dict, load_checkpoint, model_from_checkpoint,
+                                         save_checkpoint, tokenizer_from_checkpoint)
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT
 from llmscratch.model.weights import load_hf, load_model_and_tokenizer, save_hf

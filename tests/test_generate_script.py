@@ -145,7 +145,7 @@ def test_a_bad_path_or_file_is_a_clear_error_not_a_traceback(tmp_path):
     (["--max-new-tokens", "-5"], r"--max-new-tokens must be >= 0, got -5"),
     (["--eos-id", "3", "--ignore-eos"], r"--eos-id and --ignore-eos contradict"),
     (["--dtype", "int8"], r"invalid choice: 'int8'"),
-    (["--device", "toaster"], r"--device 'toaster' is not a device name"),
+    (["--device", "toaster"], r"--device: device 'toaster' is not a device name"),
     (["--tokenizer", "missing.json"], r"--tokenizer missing.json: no such file"),
 ])
 def test_bad_flags_are_named(ours, argv, message):

@@ -15,22 +15,9 @@ from hypothesis import strategies as st
 from processes import run as run_process
 
 from llmscratch.alignment.config import GRPOConfig
-from llmscratch.alignment.grpo import (
-    Group,
-    answer_logprobs,
-    clipped_objective,
-    group_advantages,
-    grpo_loss,
-    is_formed,
-    kl_penalty,
-    normalise,
-    pass_at_k,
-    pass_at_k_scores,
-    reward,
-    rollout_batch,
-    sample_groups,
-    train_grpo,
-)
+from llmscratch.alignment.grpo import (Group, answer_logprobs, clipped_objective, group_advantages, grpo_loss,
+                                       is_formed, kl_penalty, normalise, pass_at_k, pass_at_k_scores, reward,
+                                       rollout_batch, sample_groups, train_grpo)
 from llmscratch.alignment.preference import token_logprobs
 from llmscratch.assets import read_instructions
 from llmscratch.config import ConfigError

@@ -15,15 +15,8 @@ from rouge_score import rouge_scorer
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
-from llmscratch.alignment.metrics import (
-    bleu,
-    mean_rouge_l,
-    multiple_choice_accuracy,
-    rouge_l,
-    score_choices,
-    tokenize_13a,
-    wilson_interval,
-)
+from llmscratch.alignment.metrics import (bleu, mean_rouge_l, multiple_choice_accuracy, rouge_l, score_choices,
+                                          tokenize_13a, wilson_interval)
 from llmscratch.finetuning.instruct import exact_match, normalize_answer
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT

@@ -7,20 +7,9 @@ import math
 import pytest
 import torch
 
-from llmscratch.alignment.preference import (
-    DPOLoss,
-    PreferenceBatch,
-    ReferenceModel,
-    collate_pairs,
-    dpo_loss,
-    dpo_step_loss,
-    encode_pairs,
-    make_pair_batches,
-    precompute_reference,
-    preference_metrics,
-    sequence_logprobs,
-    validate_pairs,
-)
+from llmscratch.alignment.preference import (DPOLoss, PreferenceBatch, ReferenceModel, collate_pairs, dpo_loss,
+                                             dpo_step_loss, encode_pairs, make_pair_batches, precompute_reference,
+                                             preference_metrics, sequence_logprobs, validate_pairs)
 from llmscratch.finetuning.config import FinetuneConfig, LoRAConfig
 from llmscratch.finetuning.finetune import fit
 from llmscratch.finetuning.instruct import format_prompt
@@ -357,18 +346,13 @@ def test_dpo_loss_keeps_each_batchs_metrics_until_taken():
 # =========================================================================== bad input
 @pytest.mark.parametrize("beta", [0, -0.1, float("nan"), float("inf"), "0.1"])
 def test_beta_must_be_a_positive_finite_number(beta):
-    logprobs = [torch.zeros(2)] * 4
     with pytest.raises(ValueError, match=f"beta .*got {beta!r}"):
-        dpo_loss(*logprobs, beta)
-    with pytest.raises(ValueError, match="beta"):
-        DPOLoss(None, beta)  # checked when the loss is made, not at the first step
+        DPOLoss(None, beta)  # checked when the loss is made (its door), not at every step
 
 
-def test_bad_label_smoothing_and_shapes_are_clear_errors():
+def test_bad_label_smoothing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"label_smoothing .*\[0, 0.5\).*got 0.5"):
-        dpo_loss(*[torch.zeros(2)] * 4, 0.1, label_smoothing=0.5)
-    with pytest.raises(ValueError, match=r"four \(B,\) tensors"):
-        dpo_loss(torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(2), 0.1)
+        DPOLoss(None, 0.1, label_smoothing=0.5)
 
 
 def test_empty_or_missing_responses_are_clear_errors():
@@ -384,8 +368,6 @@ def test_empty_or_missing_responses_are_clear_errors():
     with pytest.raises(ValueError, match=r"pair 1: .*rejected .*\(\[\]\)"):
         collate_pairs([([1, 2], [3], [4]), ([1, 2], [3], [])], eos_id=96)
     batch = collate_pairs([([1, 2], [3], [4])], eos_id=96)
-    with pytest.raises(ValueError, match="row 1 has no response token"):
-        sequence_logprobs(tiny(), batch.inputs, batch.targets.index_fill(0, torch.tensor([1]), IGNORE_INDEX))
     with pytest.raises(ValueError, match="reference_logprobs .*reference model"):
         dpo_step_loss(tiny(), None, batch, 0.1)
 

@@ -6,16 +6,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llmscratch.profiling import (
-    backward_step,
-    device_description,
-    failed_allocation,
-    peak_memory_bytes,
-    round_robin,
-    sdpa_kernels,
-    time_once,
-    time_steps,
-)
+from llmscratch.profiling import (backward_step, device_description, failed_allocation, peak_memory_bytes, round_robin,
+                                  sdpa_kernels, time_once, time_steps)
 
 
 def test_peak_memory_counts_what_a_step_holds_at_once():

@@ -7,16 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from llmscratch.deployment.prune import (
-    block_linears,
-    importance,
-    layer_sparsity,
-    least_important,
-    magnitude_prune,
-    plot_sparsity_sweep,
-    prune_structured,
-    recover,
-)
+from llmscratch.deployment.prune import (block_linears, importance, layer_sparsity, least_important, magnitude_prune,
+                                         plot_sparsity_sweep, prune_structured, recover)
 from llmscratch.model.checkpoint import export_model, model_from_checkpoint, save_checkpoint
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate

@@ -15,22 +15,9 @@ from llmscratch.model.checkpoint import export_model, model_from_checkpoint
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate
 from llmscratch.model.gpt import GPT
-from llmscratch.model.quantize import (
-    CHUNK_ROWS,
-    KERNEL_ROWS,
-    SCHEMES,
-    QuantizedLinear,
-    dequantize_int4,
-    dequantize_int8,
-    from_word_order,
-    native_dequantize,
-    native_word_product,
-    quantize,
-    quantize_int4,
-    quantize_int8,
-    to_word_order,
-    word_product,
-)
+from llmscratch.model.quantize import (CHUNK_ROWS, KERNEL_ROWS, SCHEMES, QuantizedLinear, dequantize_int4,
+                                       dequantize_int8, from_word_order, native_dequantize, native_word_product,
+                                       quantize, quantize_int4, quantize_int8, to_word_order, word_product)
 from tests.model_fixtures import randomize
 
 ROOT = Path(__file__).resolve().parent.parent

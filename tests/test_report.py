@@ -14,19 +14,9 @@ from processes import run as run_process
 from torch import nn
 
 from llmscratch.alignment.metrics import multiple_choice_accuracy
-from llmscratch.alignment.report import (
-    TEST_MODE_ITEMS,
-    WEIGHTS_ROW,
-    Benchmarks,
-    held_out_moby_dick,
-    language_model_scores,
-    load_benchmarks,
-    markdown_table,
-    plain,
-    read_choice_items,
-    score_model,
-    weights_summary,
-)
+from llmscratch.alignment.report import (TEST_MODE_ITEMS, WEIGHTS_ROW, Benchmarks, held_out_moby_dick,
+                                         language_model_scores, load_benchmarks, markdown_table, plain,
+                                         read_choice_items, score_model, weights_summary)
 from llmscratch.assets import MOBY_CLOZE_PATH, PRETRAINED_PATH, read_instructions, read_moby_dick
 from llmscratch.finetuning.classify import SPAM_LABELS, Classifier, GPTClassifier, spam_splits
 from llmscratch.finetuning.instruct import format_prompt

@@ -18,15 +18,9 @@ from model_fixtures import randomize
 from processes import run
 
 from llmscratch.deployment import speculative
-from llmscratch.deployment.speculative import (
-    accept_draft,
-    accept_greedy,
-    acceptance_probability,
-    expected_tokens_per_round,
-    predicted_speedup,
-    residual_distribution,
-    speculative_generate,
-)
+from llmscratch.deployment.speculative import (accept_draft, accept_greedy, acceptance_probability,
+                                               expected_tokens_per_round, predicted_speedup, residual_distribution,
+                                               speculative_generate)
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate
 from llmscratch.model.gpt import GPT

@@ -17,14 +17,8 @@ import pytest
 from processes import run as run_process
 
 from llmscratch.alignment import tasks
-from llmscratch.assets import (
-    INSTRUCTION_ANSWERS_PATH,
-    INSTRUCTION_CHOICES_PATH,
-    PREFERENCES_PATH,
-    dumps_records,
-    read_instructions,
-    read_moby_dick,
-)
+from llmscratch.assets import (INSTRUCTION_ANSWERS_PATH, INSTRUCTION_CHOICES_PATH, PREFERENCES_PATH, dumps_records,
+                               read_instructions, read_moby_dick)
 from llmscratch.finetuning.instruct import format_prompt, normalize_answer
 from llmscratch.model.checkpoint import export_model
 from llmscratch.model.config import GPTConfig

@@ -10,19 +10,9 @@ from pathlib import Path
 import torch
 
 from llmscratch.alignment.config import DPOConfig
-from llmscratch.alignment.preference import (
-    DPOLoss,
-    PreferenceBatch,
-    ReferenceModel,
-    count_ties,
-    dpo_loss,
-    encode_pairs,
-    make_pair_batches,
-    precompute_reference,
-    preference_metrics,
-    sequence_logprobs,
-    validate_pairs,
-)
+from llmscratch.alignment.preference import (DPOLoss, PreferenceBatch, ReferenceModel, count_ties, dpo_loss,
+                                             encode_pairs, make_pair_batches, precompute_reference, preference_metrics,
+                                             sequence_logprobs, validate_pairs)
 from llmscratch.device import autocast
 from llmscratch.finetuning.finetune import end_of_text_id, fit
 from llmscratch.finetuning.instruct import lm_loss, read_json_records, split_records

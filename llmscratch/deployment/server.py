@@ -30,8 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmscratch.deployment.engine import Engine, Event, QueueFull, SamplingParams
 from llmscratch.finetuning.instruct import TEMPLATE_MARKERS, format_chat
-from llmscratch.model.generate import prompt_ids as text_prompt_ids
-from llmscratch.model.generate import with_bos
+from llmscratch.model.generate import prompt_ids as text_prompt_ids, with_bos
 from llmscratch.text.chat_template import ChatTemplate
 
 CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new section has finished its answer

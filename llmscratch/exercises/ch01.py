@@ -14,17 +14,8 @@ import torch
 from torch import nn
 
 from llmscratch.exercises.ch01_references import bpe, merge, sinusoids, train_naively, windows
-from llmscratch.exercises.checking import (
-    Chapter,
-    Mismatch,
-    attempt,
-    describe,
-    diagnose,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    random_int,
-)
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
+                                           fresh_generator, random_int)
 from llmscratch.exercises.fixtures import build_module
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT

@@ -12,20 +12,9 @@ import math
 import torch
 from torch import nn
 
-from llmscratch.exercises.checking import (
-    Chapter,
-    Mismatch,
-    attempt,
-    describe,
-    diagnose,
-    diagnose_nonfinite,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    random_bool,
-    random_int,
-    random_seed,
-)
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
+                                           expect_close, expect_equal, fresh_generator, random_bool, random_int,
+                                           random_seed)
 from llmscratch.exercises.fixtures import build_module, decoded, lm_backward, tiny_gpt, token_ids
 from llmscratch.model.attention import MultiHeadAttention, causal_mask, explicit_attention
 from llmscratch.model.gpt import GPT

@@ -15,17 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscratch.exercises.ch03_fixtures import CHAPTER, LLAMA, VOCAB, build, decodes_exactly, ids, small_gpt
-from llmscratch.exercises.checking import (
-    attempt,
-    diagnose,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    random_bool,
-    random_float,
-    random_int,
-    random_seed,
-)
+from llmscratch.exercises.checking import (attempt, diagnose, expect_close, expect_equal, fresh_generator, random_bool,
+                                           random_float, random_int, random_seed)
 from llmscratch.exercises.fixtures import calls_recorded
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate

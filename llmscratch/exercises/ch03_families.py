@@ -7,15 +7,8 @@ loss. Extend the package: a block with norms after its sublayers too (Gemma 2 an
 import torch
 
 from llmscratch.exercises.ch03_fixtures import CHAPTER, build, decodes_exactly, ids, small_gpt
-from llmscratch.exercises.checking import (
-    attempt,
-    diagnose,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    random_int,
-    random_seed,
-)
+from llmscratch.exercises.checking import (attempt, diagnose, expect_close, expect_equal, fresh_generator, random_int,
+                                           random_seed)
 from llmscratch.model.attention import positions_mask
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import Block

@@ -15,31 +15,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmscratch.exercises.ch04_references import (
-    adamw64,
-    change,
-    min_p_generate,
-    smoothed64,
-    token_nll64,
-    top_p,
-    torch_adamw,
-    wsd_schedule,
-)
-from llmscratch.exercises.checking import (
-    Chapter,
-    Mismatch,
-    attempt,
-    describe,
-    diagnose,
-    diagnose_nonfinite,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    random_bool,
-    random_float,
-    random_int,
-    random_seed,
-)
+from llmscratch.exercises.ch04_references import (adamw64, change, min_p_generate, smoothed64, token_nll64, top_p,
+                                                  torch_adamw, wsd_schedule)
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
+                                           expect_close, expect_equal, fresh_generator, random_bool, random_float,
+                                           random_int, random_seed)
 from llmscratch.exercises.fixtures import calls_recorded, flat_parameters, loss_and_gradient, tiny_gpt, token_ids
 from llmscratch.model.generate import generate, top_p_filter
 from llmscratch.model.gpt import GPT

@@ -13,29 +13,10 @@ import torch
 from torch import nn
 
 from llmscratch.exercises.ch05_references import choice_logprobs, early_stop, instruction_rows, lora_lookup
-from llmscratch.exercises.checking import (
-    Chapter,
-    Mismatch,
-    attempt,
-    describe,
-    diagnose,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    random_bool,
-    random_float,
-    random_int,
-    random_seed,
-)
-from llmscratch.exercises.fixtures import (
-    VOCAB,
-    build_module,
-    decoded,
-    flat_parameters,
-    lm_backward,
-    tiny_gpt,
-    token_ids,
-)
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, expect_close, expect_equal,
+                                           fresh_generator, random_bool, random_float, random_int, random_seed)
+from llmscratch.exercises.fixtures import (VOCAB, build_module, decoded, flat_parameters, lm_backward, tiny_gpt,
+                                           token_ids)
 from llmscratch.finetuning.classify import GPTClassifier, classification_metrics
 from llmscratch.finetuning.config import FinetuneConfig, LoRAConfig
 from llmscratch.finetuning.finetune import fit

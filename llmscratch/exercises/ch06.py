@@ -15,40 +15,14 @@ import torch
 
 from llmscratch.alignment.grpo import clipped_objective, group_advantages, pass_at_k
 from llmscratch.alignment.metrics import longest_common_subsequence, rouge_l, rouge_tokens, wilson_interval
-from llmscratch.alignment.preference import (
-    PreferenceBatch,
-    collate_pairs,
-    dpo_loss,
-    preference_metrics,
-    sequence_logprobs,
-)
-from llmscratch.exercises.ch06_references import (
-    clipped_objective64,
-    dpo64,
-    group_advantages64,
-    ipo_loss64,
-    longest_common_substring,
-    matching_blocks,
-    normal_interval,
-    response_logprobs64,
-    simpo_loss64,
-    wilson64,
-)
-from llmscratch.exercises.checking import (
-    Chapter,
-    Mismatch,
-    attempt,
-    describe,
-    diagnose,
-    diagnose_nonfinite,
-    expect_close,
-    fresh_generator,
-    number_of,
-    random_bool,
-    random_float,
-    random_int,
-    random_seed,
-)
+from llmscratch.alignment.preference import (PreferenceBatch, collate_pairs, dpo_loss, preference_metrics,
+                                             sequence_logprobs)
+from llmscratch.exercises.ch06_references import (clipped_objective64, dpo64, group_advantages64, ipo_loss64,
+                                                  longest_common_substring, matching_blocks, normal_interval,
+                                                  response_logprobs64, simpo_loss64, wilson64)
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
+                                           expect_close, fresh_generator, number_of, random_bool, random_float,
+                                           random_int, random_seed)
 from llmscratch.exercises.fixtures import VOCAB, tiny_gpt
 
 CHAPTER = Chapter("ch06", "Alignment: preference tuning with DPO, RL with verifiable rewards, and evaluations "

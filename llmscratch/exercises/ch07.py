@@ -15,33 +15,11 @@ import torch
 from llmscratch.deployment.distill import distillation_loss
 from llmscratch.deployment.prune import block_linears
 from llmscratch.deployment.speculative import acceptance_probability, expected_tokens_per_round, residual_distribution
-from llmscratch.exercises.ch07_references import (
-    accept64,
-    dequantize_int4_64,
-    distill64,
-    int8_scales64,
-    int8_values,
-    keep_masks,
-    pack_int4_64,
-    two_four_mask,
-    w8a8_linear64,
-)
-from llmscratch.exercises.checking import (
-    Chapter,
-    Mismatch,
-    attempt,
-    describe,
-    diagnose,
-    diagnose_nonfinite,
-    expect_close,
-    expect_equal,
-    fresh_generator,
-    number_of,
-    random_bool,
-    random_float,
-    random_int,
-    random_seed,
-)
+from llmscratch.exercises.ch07_references import (accept64, dequantize_int4_64, distill64, int8_scales64, int8_values,
+                                                  keep_masks, pack_int4_64, two_four_mask, w8a8_linear64)
+from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
+                                           expect_close, expect_equal, fresh_generator, number_of, random_bool,
+                                           random_float, random_int, random_seed)
 from llmscratch.exercises.fixtures import tiny_gpt
 from llmscratch.model.losses import IGNORE_INDEX
 from llmscratch.model.quantize import dequantize_int4, pack_int4, quantize_int8

@@ -26,19 +26,8 @@ from typing import Any
 
 import torch
 
-from llmscratch.exercises.isolation import (
-    PACKAGE,
-    TIME_LIMIT,
-    ForbiddenCall,
-    TimeLimitExceeded,
-    TorchSwitches,
-    forbidden,
-    package_as_loaded,
-    resolve,
-    shown,
-    time_limited,
-    too_slow,
-)
+from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, ForbiddenCall, TimeLimitExceeded, TorchSwitches,
+                                            forbidden, package_as_loaded, resolve, shown, time_limited, too_slow)
 
 __all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_path", "attempt", "describe", "diagnose",
            "diagnose_nonfinite", "expect_close", "expect_equal", "fresh_generator", "load_answers", "number_of",

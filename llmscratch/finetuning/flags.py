@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 from llmscratch.assets import PRETRAINED_PATH
-from llmscratch.cli import add_flags, build_config, check_in_files, check_out_dir, refuse
+from llmscratch.cli import add_flags, build_config, check_device, check_in_files, check_out_dir, refuse
 from llmscratch.config import ConfigError
-from llmscratch.device import resolve_device
 from llmscratch.finetuning.config import FinetuneConfig, LoRAConfig
 
 
@@ -54,10 +53,7 @@ def check_finetune_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
                      "GPT-2 folder)")
     check_in_files(parser, {"--data": args.data} | ({} if args.tokenizer is None else {"--tokenizer": args.tokenizer}))
     check_out_dir(parser, args.out_dir, starting_model=("--base", args.base))
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as err:
-        parser.error(f"--device: {err}")
+    check_device(parser, args)
     try:
         finetune_config(args)  # made again by the script's run: refused here, before any work
     except ValueError as err:

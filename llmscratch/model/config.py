@@ -1,8 +1,9 @@
 """What a GPT is: ``GPTConfig``, every size and design choice, checked once when the config is made, and the
 named ``PRESETS`` (GPT-2, Llama-style, today's open families).
 
-Every check of a model's shape lives here, at the door: the modules that build the model (attention,
-RoPE, the block) trust the config they are given.
+The config is the model's door: every field and every combination is checked when it is made (with
+``llmscratch.model.checks`` for the heads), and the modules that build the model (attention, RoPE, the block)
+trust the config they are given.
 """
 
 import dataclasses

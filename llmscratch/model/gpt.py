@@ -130,8 +130,9 @@ class GPT(nn.Module):
         (``llmscratch.model.losses.head_cross_entropy``): the (B, T, V) logits, the largest tensor of a
         training step, are never stored. A mixture-of-experts model in training mode adds its
         load-balancing loss times ``router_aux_weight``.
-        Nothing is checked on the way, at every decoding step: an id outside the vocabulary or a
-        position past the context is named when its lookup fails, at no cost to the calls that work.
+        Nothing is checked on the way, at every decoding step (the doors are the config and ``generate``): an id
+        outside the vocabulary, or a position past the context of learned positions, is named when its lookup
+        fails, at no cost to the calls that work; past RoPE's table the rotation fails.
         """
         x = self._embed(idx, start_pos, input_pos)  # (B, T, d)
         x = self.dropout(x)

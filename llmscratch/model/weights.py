@@ -19,14 +19,8 @@ import torch
 from llmscratch.files import check_weights, read_json_object, read_safetensors, write_safetensors, write_text_atomically
 from llmscratch.model.checkpoint import EXPORT_FORMAT, model_from_checkpoint, tokenizer_from_checkpoint
 from llmscratch.model.gpt import GPT
-from llmscratch.model.hf_formats import (
-    IGNORED_SUFFIXES,
-    config_from_hf,
-    config_to_hf,
-    hf_to_ours,
-    language_model_tensors,
-    ours_to_hf,
-)
+from llmscratch.model.hf_formats import (IGNORED_SUFFIXES, config_from_hf, config_to_hf, hf_to_ours,
+                                         language_model_tensors, ours_to_hf)
 from llmscratch.text.hf_tokenizer import load_tokenizer, tokenizer_from_hf
 from llmscratch.text.sentencepiece import SentencePieceBPE
 from llmscratch.text.tokenizer import BPETokenizer

@@ -23,21 +23,10 @@ from llmscratch.assets import GPT2_RANKS_PATH
 from llmscratch.files import write_text_atomically
 from llmscratch.progress import progress_bar
 from llmscratch.text.bpe import Pair, apply_merges, learn_merges, merges_from_ranks
-from llmscratch.text.checks import (
-    check_parts,
-    check_vocab_size,
-    compile_split_pattern,
-    read_document,
-    read_tokenizer_text,
-    split_covering,
-)
-from llmscratch.text.special_tokens import (
-    SpecialSet,
-    encode_with_specials,
-    replace_lone_surrogates,
-    special_regex,
-    split_added_text,
-)
+from llmscratch.text.checks import (check_parts, check_vocab_size, compile_split_pattern, read_document,
+                                    read_tokenizer_text, split_covering)
+from llmscratch.text.special_tokens import (SpecialSet, encode_with_specials, replace_lone_surrogates, special_regex,
+                                            split_added_text)
 
 # GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace.
 # A merge never crosses the boundary between two of these chunks.

@@ -8,16 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmscratch.config import (
-    ConfigError,
-    below_one,
-    check_fields,
-    fraction,
-    non_negative,
-    positive,
-    positive_int,
-    setting,
-)
+from llmscratch.config import (ConfigError, below_one, check_fields, fraction, non_negative, positive, positive_int,
+                               setting)
 from llmscratch.device import DTYPES
 
 # How several processes share the model (llmscratch.training.parallel).

@@ -31,15 +31,8 @@ from llmscratch.training.evaluation import evaluate, token_byte_lengths
 from llmscratch.training.flops import peak_flops
 from llmscratch.training.optim import OptimizerStep, learning_rate
 from llmscratch.training.parallel import fused_qkv_state, parallelize, qkv_sizes, split_qkv_state
-from llmscratch.training.resume import (
-    check_model_config,
-    load_sharded,
-    load_sharded_renamed,
-    read_meta,
-    rng_state,
-    save_sharded,
-    set_rng_state,
-)
+from llmscratch.training.resume import (check_model_config, load_sharded, load_sharded_renamed, read_meta, rng_state,
+                                        save_sharded, set_rng_state)
 from llmscratch.training.runlog import RunLog, sample_text
 
 # The training API in one import: the config, the step's schedule and optimizer, and the run.
