@@ -111,7 +111,8 @@ def section(args: argparse.Namespace) -> str:
              f"{args.context_length} tokens per rank.", "",
              "Measured per rank: its own parameters, gradients and AdamW moments (a DTensor's local shard), the "
              "bytes autograd saved in one forward, and the peak a whole step allocated above the resting state "
-             "(PyTorch's CPU allocations replayed from the profiler). Planned: `python -m llmscratch.training.memory` for "
+             "(PyTorch's CPU allocations replayed from the profiler). Planned: "
+             "`python -m llmscratch.training.memory` for "
              "that rank (its optimizer column also counts AdamW's step counters; its activations add the loss's "
              "chunk buffers; its buffers are what FSDP gathers or DDP buckets).", "",
              "| strategy | dp x tp | rank | parameters | gradients | AdamW | saved activations | step peak "

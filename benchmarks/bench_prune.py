@@ -1,4 +1,5 @@
-"""Pruning (llmscratch.deployment.prune) of the bundled model: what it costs in bits per byte, and what it buys in speed.
+"""Pruning (llmscratch.deployment.prune) of the bundled model: what it costs in bits per byte, and what it buys in
+speed.
 
     python -m benchmarks.bench_prune            # from the repository root; prints a Markdown section
     python -m benchmarks.bench_prune --quick    # a quarter of the held-out text, 20 recovery steps, 2 rounds

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import add_threads_flag, load_average, machine_description, median, set_threads, today
-from llmscratch.alignment.report import held_out_moby_dick
 from llmscratch.assets import PRETRAINED_PATH
 from llmscratch.model import generate as generate_module
 from llmscratch.model.checkpoint import model_from_checkpoint, tokenizer_from_checkpoint
@@ -38,6 +37,7 @@ from llmscratch.model.gpt import GPT
 from llmscratch.model.quantize import (QuantizedLinear, dequantize_int8, native_word_product, quantize, quantize_int8,
                                        to_word_order, word_product)
 from llmscratch.profiling import round_robin, time_once
+from llmscratch.text.data import held_out_moby_dick
 from llmscratch.training.evaluation import evaluate, token_byte_lengths
 
 SCHEMES = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]

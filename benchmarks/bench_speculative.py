@@ -234,7 +234,8 @@ def report(args, target, draft, draft_source, quality, seconds, stats, costs, gp
     print(f"\nCost model inputs (cached forwards at position {args.prompt_tokens + args.new_tokens // 2}, medians): "
           f"a target step {costs['target 1'] * 1e3:.2f} ms, a draft step {costs['draft 1'] * 1e3:.2f} ms, so "
           f"c = {c:.3f}; v = the (k+1)-token target forward over the one-token one. The predicted speed-up is "
-          f"(1 - a^(k+1)) / (1 - a) / (k c + v) (`llmscratch.deployment.speculative.predicted_speedup`), a from the rounds "
+          f"(1 - a^(k+1)) / (1 - a) / (k c + v) (`llmscratch.deployment.speculative.predicted_speedup`), a from the "
+          f"rounds "
           f"above; what it leaves out (the sampling and bookkeeping between forwards, the prefill, a round's "
           f"first draft forward of 2 tokens after a round that kept every guess) is the gap to the measured one.\n")
     gpt2_c = gpt2_costs["draft 1"] / gpt2_costs["target 1"]

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmscratch.cli import check_device
-from llmscratch.cli import run_script
+from llmscratch.cli import check_device, run_script
 from llmscratch.device import DTYPES
 from llmscratch.model.generate import stream_text
 from llmscratch.model.weights import load_model_and_tokenizer  # every model source the course writes, one loader

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from llmscratch.alignment.report import held_out_moby_dick, held_out_scores, moby_dick_training_text
 from llmscratch.assets import INSTRUCTIONS_PATH
 from llmscratch.cli import add_out_dir_flags, run_folder, value_errors_exit
 from llmscratch.files import write_json_atomically, write_text_atomically
@@ -32,6 +31,8 @@ from llmscratch.finetuning.instruct import (MAX_NEW_TOKENS, Replay, answers_json
                                             score_answers)
 from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
+from llmscratch.text.data import held_out_moby_dick, moby_dick_training_text
+from llmscratch.training.evaluation import held_out_bits
 
 DEFAULTS = FinetuneConfig(epochs=8, batch_size=8, lr=1e-3, trainable="all")
 REPLAY_WINDOWS, REPLAY_LENGTH = 2, 128  # pretraining windows per batch, and their tokens: the best trade-off
@@ -115,8 +116,7 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
     windows = 2 if args.test_mode else None  # of the held-out novel
 
     def novel_bits_per_byte() -> float:  # what the model still knows of the text it was pretrained on
-        return held_out_scores(model, tokenizer, held_out_moby_dick(), args.device, max_windows=windows)[
-            "bits_per_byte"]["value"]
+        return held_out_bits(model, tokenizer, held_out_moby_dick(), args.device, max_windows=windows)["bits_per_byte"]
 
     base_scores, base_answers = score_answers(model, tokenizer, splits["test"], encoded["test"], eos_id,
                                               args.max_new_tokens, dtype, progress)  # before any change
@@ -167,6 +167,7 @@ def run(args: argparse.Namespace, config: FinetuneConfig) -> int:
     print(table)
     print(f"{seconds:.0f} s in all; saved {args.out_dir}/: {METRICS_FILE}, {TABLE_FILE}, {ANSWERS_FILE}, {MODEL_FILE}")
     return 0
+
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,7 @@ import torch
 
 from llmscratch.alignment.config import GRPOConfig
 from llmscratch.alignment.grpo import pass_at_k_scores, pass_at_k_table, plot_rl, train_grpo
-from llmscratch.alignment.report import held_out_moby_dick, held_out_scores
+from llmscratch.alignment.report import held_out_scores
 from llmscratch.alignment.tasks import draw_prompts
 from llmscratch.assets import INSTRUCTIONS_PATH
 from llmscratch.cli import (HelpFormatter, add_flags, add_out_dir_flags, check_device, check_in_files, check_out_dir,
@@ -39,6 +39,7 @@ from llmscratch.finetuning.instruct import (answers_jsonl, comparison_table, enc
                                             score_answers)
 from llmscratch.model.checkpoint import export_model
 from llmscratch.runfolder import save_or_rescue
+from llmscratch.text.data import held_out_moby_dick
 
 DEFAULT_MODEL = Path("runs/instructions/model.safetensors")
 DEFAULTS = GRPOConfig(lr=1e-4, warmup_fraction=0.05, trainable="all")  # 5e-5 and 3e-4 did worse (RESULTS.md)

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from llmscratch.alignment.cloze import make_items
-from llmscratch.alignment.report import VAL_FRACTION, held_out_moby_dick
 from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick, write_or_check_records
 from llmscratch.cli import check_out_files, run_script
+from llmscratch.text.data import VAL_FRACTION, held_out_moby_dick
 
 
 def main(argv=None) -> None:

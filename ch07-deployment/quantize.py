@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from llmscratch.alignment.report import Benchmarks, held_out_moby_dick, language_model_scores
+from llmscratch.alignment.report import Benchmarks, language_model_scores
 from llmscratch.cli import check_out_files, resolve_model, run_script, value_errors_exit
 from llmscratch.model.checkpoint import export_model
 from llmscratch.model.quantize import SCHEMES, quantize
 from llmscratch.model.weights import load_model_and_tokenizer
+from llmscratch.text.data import held_out_moby_dick
 
 
 def parse_args(argv=None) -> argparse.Namespace:

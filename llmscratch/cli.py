@@ -22,8 +22,8 @@ from llmscratch.files import input_problem
 from llmscratch.interrupt import TrainingDiverged
 from llmscratch.runfolder import FolderInUse, claim, file_problem, folder_problem, present, same_folder
 
-__all__ = ["HelpFormatter", "add_flags", "add_out_dir_flags", "build_config", "check_in_files", "check_out_dir",
-           "check_out_files", "finite_float", "refuse", "resolve_model", "run_folder", "run_script",
+__all__ = ["HelpFormatter", "add_flags", "add_out_dir_flags", "build_config", "check_device", "check_in_files",
+           "check_out_dir", "check_out_files", "finite_float", "refuse", "resolve_model", "run_folder", "run_script",
            "value_errors_exit"]
 
 FLOAT32_MAX = 3.4028234663852886e38  # the weights' precision: a larger learning rate overflows in the optimizer
@@ -210,5 +210,3 @@ def resolve_model(spec: str) -> tuple[str, Path]:
     if path.is_dir() and (path / "classifier.pt").is_file():
         path = path / "classifier.pt"
     return label or (path.parent.name if path.is_file() else path.name) or str(path), path
-
-

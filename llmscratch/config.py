@@ -88,5 +88,3 @@ def types_of(annotation) -> tuple:
 
 def optional(annotation) -> bool:
     return type(None) in types_of(annotation)
-
-

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "autocast", "choose_dtype", "cpu_has_amx", "resolve_device"]
+__all__ = ["DTYPES", "autocast", "choose_dtype", "cpu_has_amx", "cpu_model", "resolve_device"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -5,8 +5,8 @@ What the page must do, seen from outside: show the model's name, stream a reply 
 send the whole conversation each turn, stop a reply, start a new chat, send the API key, and show the server's error
 messages. Every wait is bounded (WebDriverWait, at most 60 s); the browser quits before the server stops.
 
-The server under test is the real one (``llmscratch.deployment.server.create_app`` over the bundled model, greedy by the page's
-default temperature 0), so the page's final text is compared with the server's own non-streamed answer.
+The server under test is the real one (``llmscratch.deployment.server.create_app`` over the bundled model, greedy by
+the page's default temperature 0), so the page's final text is compared with the server's own non-streamed answer.
 Set CHAT_PAGE_SCREENSHOT=/some/file.png to keep a screenshot of the page with a conversation in it.
 """
 

@@ -4,10 +4,12 @@ import argparse
 import dataclasses
 
 import pytest
+from scripts import SCRIPTS
 
 from llmscratch.cli import HelpFormatter, add_flags, build_config, refuse
 from llmscratch.config import ConfigError
 from llmscratch.finetuning.config import FinetuneConfig
+from llmscratch.finetuning.flags import CHAPTER_5_SCRIPT, train_instruction_model
 from llmscratch.training.config import TrainConfig
 
 
@@ -74,3 +76,10 @@ def test_configs_name_the_bad_field():
         said = str(raised.value)
         assert said.startswith(f"{field} ") and said.endswith(f" {value!r}") and bound in said, said
     assert TrainConfig(final_eval_tokens=None, sample_top_k=None).sample_top_k is None  # None where the type allows
+
+
+def test_chapter_6_trains_its_starting_model_with_the_chapter_5_script_where_it_is(capfd):
+    """A chapter-6 script without its starting model trains it with chapter 5's script, found from the package."""
+    assert CHAPTER_5_SCRIPT == SCRIPTS["instructions"] and CHAPTER_5_SCRIPT.is_file()
+    train_instruction_model(["--help"])  # the script itself runs (here its help); a failure is a ValueError
+    assert "--replay" in capfd.readouterr().out

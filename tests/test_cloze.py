@@ -13,8 +13,8 @@ import pytest
 from processes import run as run_process
 
 from llmscratch.alignment import cloze
-from llmscratch.alignment.report import held_out_moby_dick
 from llmscratch.assets import MOBY_CLOZE_PATH, read_moby_dick
+from llmscratch.text.data import held_out_moby_dick
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "make_cloze_data.py"
 TEXT = read_moby_dick()

@@ -1,4 +1,5 @@
-"""Tests for llmscratch.text.data and llmscratch.text.corpus: sliding windows, dataloaders, token files, random-window batches."""
+"""Tests for llmscratch.text.data and llmscratch.text.corpus: sliding windows, dataloaders, token files, random-window
+batches."""
 
 import io
 import itertools

@@ -296,7 +296,8 @@ def all_visible(q_len, kv_len, device=None):
 
 
 def test_a_patch_made_inside_an_answer_cannot_change_the_references_and_is_undone(monkeypatch):
-    monkeypatch.setattr(llmscratch.model.attention, "causal_mask", llmscratch.model.attention.causal_mask)  # put back at the end
+    attention = llmscratch.model.attention
+    monkeypatch.setattr(attention, "causal_mask", attention.causal_mask)  # put back at the end
 
     def grouped_query_attention(q, k, v):
         llmscratch.model.attention.causal_mask = all_visible  # the answer tampers, yet computes right

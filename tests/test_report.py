@@ -14,9 +14,9 @@ from processes import run as run_process
 from torch import nn
 
 from llmscratch.alignment.metrics import multiple_choice_accuracy
-from llmscratch.alignment.report import (TEST_MODE_ITEMS, WEIGHTS_ROW, Benchmarks, held_out_moby_dick,
-                                         language_model_scores, load_benchmarks, markdown_table, plain,
-                                         read_choice_items, score_model, weights_summary)
+from llmscratch.alignment.report import (TEST_MODE_ITEMS, WEIGHTS_ROW, Benchmarks, language_model_scores,
+                                         load_benchmarks, markdown_table, plain, read_choice_items, score_model,
+                                         weights_summary)
 from llmscratch.assets import MOBY_CLOZE_PATH, PRETRAINED_PATH, read_instructions, read_moby_dick
 from llmscratch.finetuning.classify import SPAM_LABELS, Classifier, GPTClassifier, spam_splits
 from llmscratch.finetuning.instruct import format_prompt
@@ -24,6 +24,7 @@ from llmscratch.model.checkpoint import export_model, model_from_checkpoint, tok
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT
 from llmscratch.model.quantize import quantize
+from llmscratch.text.data import held_out_moby_dick
 from llmscratch.text.tokenizer import BPETokenizer
 from llmscratch.training.evaluation import evaluate, token_byte_lengths
 

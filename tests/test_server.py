@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server (llmscratch.deployment.server) through real HTTP on 127.0.0.1: the official openai client,
-streaming, concurrency, keys, rate limit, a full queue, malformed requests and clients that leave.
+"""The OpenAI-compatible server (llmscratch.deployment.server) through real HTTP on 127.0.0.1: the official openai
+client, streaming, concurrency, keys, rate limit, a full queue, malformed requests and clients that leave.
 
 Every server runs in a thread with start and stop deadlines (tests/serving.py); every client call has a timeout
 and every polling loop a deadline, so a hang fails in seconds.

@@ -1,5 +1,5 @@
-"""The rule mistakes of llmscratch.alignment.tasks, and ch06-alignment/make_preference_data.py: the preference pairs, the
-multiple-choice set and its chance level, --check, and answers made by a (tiny) model."""
+"""The rule mistakes of llmscratch.alignment.tasks, and ch06-alignment/make_preference_data.py: the preference pairs,
+the multiple-choice set and its chance level, --check, and answers made by a (tiny) model."""
 
 import hashlib
 import json

@@ -1,7 +1,7 @@
 """The Moby-Dick cloze set (which of four sentences truly comes next?), built from the held-out text.
 
 Everything comes from the held-out tenth of the novel, the text that pretraining validates on
-(``llmscratch.alignment.report.held_out_moby_dick``), so no item was seen in training. The text is cut
+(``llmscratch.text.data.held_out_moby_dick``), so no item was seen in training. The text is cut
 into paragraphs (blank lines) and each paragraph into sentences by one rule: a sentence ends
 at . ! or ? (and any closing quotes or bracket) followed by whitespace and a capital letter or an
 opening quote; "Mr." "Mrs." "Dr." "St." "Capt." end no sentence. Whitespace inside a sentence

@@ -11,7 +11,8 @@ from llmscratch.training.config import TrainConfig
 
 @dataclass
 class DPOConfig(FinetuneConfig):
-    """How to tune on preference pairs with DPO (``llmscratch.alignment.preference``): a finetuning run, plus DPO's settings."""
+    """How to tune on preference pairs with DPO (``llmscratch.alignment.preference``): a finetuning run, plus DPO's
+    settings."""
 
     batch_size: int = setting(8, "preference pairs per optimizer step (twice as many rows)", positive_int)
     beta: float = setting(0.1, "DPO's pull towards the starting model: small lets the model drift far from it",

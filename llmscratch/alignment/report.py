@@ -13,19 +13,17 @@ or int8 / int4 from llmscratch.model.quantize, and their megabytes); ``write_rep
 
 import contextlib
 import json
-import math
 import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from llmscratch.alignment.metrics import check_choice_items, mean_rouge_l, multiple_choice_accuracy, wilson_interval
-from llmscratch.assets import read_instructions, read_moby_dick
+from llmscratch.assets import read_instructions
 from llmscratch.files import write_json_atomically, write_text_atomically
 from llmscratch.finetuning.classify import Classifier, evaluate_classifier, make_batches, spam_splits
 from llmscratch.finetuning.config import FinetuneConfig
@@ -33,10 +31,9 @@ from llmscratch.finetuning.instruct import MAX_NEW_TOKENS, evaluate_responses, r
 from llmscratch.model.checkpoint import load_checkpoint
 from llmscratch.model.weights import load_model_and_tokenizer
 from llmscratch.progress import progress_bar
-from llmscratch.text.data import split_text
-from llmscratch.training.evaluation import bits_per_byte, evaluate, token_byte_lengths
+from llmscratch.text.data import held_out_moby_dick
+from llmscratch.training.evaluation import held_out_bits
 
-VAL_FRACTION = 0.1  # the held-out share of ch04-pretraining/pretrain.py's default run
 TEST_MODE_ITEMS = 8  # per benchmark in a smoke test (evaluate.py --test-mode), and 2 windows of held-out text
 # The rows of the table: metric key, label. "exact_match/<family>" rows go after "exact_match".
 ROWS = [("bits_per_byte", "Moby-Dick bits per byte (held-out tenth; lower is better)"),
@@ -59,19 +56,6 @@ DELIMITERS = {"choices": "", "cloze": " "}
 # The cloze is also ranked by what the context adds (``multiple_choice_accuracy``'s context gain): a
 # sentence's own likelihood varies far more than what two sentences before it change.
 UNCONDITIONAL = {"cloze": ""}
-
-
-def moby_dick_training_text(val_fraction: float = VAL_FRACTION) -> str:
-    """The first ``1 - val_fraction`` of Moby-Dick: the text the bundled model was pretrained on."""
-    return split_text(read_moby_dick(), val_fraction)[0]
-
-
-def held_out_moby_dick(text: str | None = None, val_fraction: float = VAL_FRACTION) -> str:
-    """The last ``val_fraction`` of Moby-Dick (or of ``text``), cut by characters as ch04's pretrain.py cuts it."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
-    text = read_moby_dick() if text is None else text
-    return split_text(text, val_fraction)[1]
 
 
 @dataclass
@@ -144,19 +128,9 @@ def language_model_scores(model: nn.Module, tokenizer, benchmarks: Benchmarks, d
 
 def held_out_scores(model: nn.Module, tokenizer, text: str, device: torch.device, batch_size: int = 16,
                     max_windows: int | None = None) -> dict[str, dict]:
-    """The model's bits per byte on ``text`` (in windows of its context; the first ``max_windows`` only, if
-    given), and a uniform guess's over its vocabulary, as ``plain`` scores: "bits_per_byte", "uniform_bits_per_byte"."""
-    tokens = np.array(tokenizer.encode(text, allowed_special="all"), dtype=np.int64)
-    context = model.config.context_length
-    max_tokens = None if max_windows is None else max_windows * context + 1
-    result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size, device,
-                      max_tokens=max_tokens)
-    usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-    predicted = (usable - 1) // context * context
-    # What a model that learned nothing pays: ln V nats for every token, whatever it is.
-    uniform = bits_per_byte(math.log(model.config.vocab_size), result["bytes_per_token"])
-    return {"bits_per_byte": plain(result["bits_per_byte"], predicted),
-            "uniform_bits_per_byte": plain(uniform, predicted)}
+    """``held_out_bits`` as ``plain`` scores: "bits_per_byte", "uniform_bits_per_byte"."""
+    bits = held_out_bits(model, tokenizer, text, device, batch_size, max_windows)
+    return {name: plain(bits[name], bits["predicted"]) for name in ("bits_per_byte", "uniform_bits_per_byte")}
 
 
 @contextlib.contextmanager

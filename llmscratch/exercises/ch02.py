@@ -104,7 +104,8 @@ def _attention64(q, k, v, *, kv_head=lambda h, group, n_kv: h // group, scale=No
 @CHAPTER.exercise("grouped_query_attention", title="Grouped-query attention over a cache", difficulty="medium",
                   section="5. Grouped-query attention", kind="write it yourself",
                   forbidden=("torch.nn.functional.scaled_dot_product_attention",
-                             "llmscratch.model.attention.explicit_attention", "llmscratch.model.attention.fused_attention"))
+                             "llmscratch.model.attention.explicit_attention",
+                             "llmscratch.model.attention.fused_attention"))
 def check_grouped_query_attention(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(5), fresh_generator()
     cases = [(1, 1, 1, 1, 1, 2), (1, 1, 1, 1, 3, 2), (1, 2, 2, 3, 3, 4), (2, 4, 1, 3, 3, 8), (1, 4, 2, 5, 5, 4),

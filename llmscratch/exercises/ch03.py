@@ -1,4 +1,5 @@
-"""Chapter 3's exercises: the GPT architecture, checked against ``llmscratch.model.gpt`` and ``llmscratch.model.generate``.
+"""Chapter 3's exercises: the GPT architecture, checked against ``llmscratch.model.gpt`` and
+``llmscratch.model.generate``.
 
 Write it yourself: a SwiGLU feed-forward layer from its three weight matrices, the parameter count of
 any ``GPTConfig`` in closed form, and greedy decoding with the KV cache. Extend the package: a

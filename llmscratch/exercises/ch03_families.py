@@ -1,4 +1,5 @@
-"""Chapter 3's exercises on section 9 (Gemma 3, Qwen3, mixtures of experts), registered with ``ch03``'s ``CHAPTER`` (``ch03_fixtures``).
+"""Chapter 3's exercises on section 9 (Gemma 3, Qwen3, mixtures of experts), registered with ``ch03``'s
+``CHAPTER`` (``ch03_fixtures``).
 
 Write it yourself: a sliding window's mask over a KV cache, and a router's top-k choice with its balancing
 loss. Extend the package: a block with norms after its sublayers too (Gemma 2 and 3).

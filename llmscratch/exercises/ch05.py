@@ -1,4 +1,5 @@
-"""Chapter 5's exercises: finetuning, checked against ``llmscratch.finetuning.classify``, ``.instruct``, ``.lora``, ``.finetune``.
+"""Chapter 5's exercises: finetuning, checked against ``llmscratch.finetuning.classify``, ``.instruct``, ``.lora``,
+``.finetune``.
 
 Write it yourself: a classifier's logits at each row's last real token, accuracy and the spam class's
 precision, recall and F1, an instruction batch with the prompt masked, and a LoRA layer merged into a

@@ -197,7 +197,8 @@ def _four_logprobs(size: int, generator: torch.Generator) -> list[torch.Tensor]:
 
 @CHAPTER.exercise("dpo_loss_and_rewards", title="The DPO loss and the implicit rewards from four log-probabilities",
                   difficulty="medium", section="2.3 The loss from four log-probabilities", kind="write it yourself",
-                  forbidden=("llmscratch.alignment.preference.dpo_loss", "llmscratch.alignment.preference.implicit_rewards"))
+                  forbidden=("llmscratch.alignment.preference.dpo_loss",
+                             "llmscratch.alignment.preference.implicit_rewards"))
 def check_dpo_loss_and_rewards(answer) -> int:
     generator = torch.Generator().manual_seed(4)
     same = torch.tensor([-5.0])

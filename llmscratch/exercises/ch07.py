@@ -1,4 +1,5 @@
-"""Chapter 7's exercises: deployment, checked against ``llmscratch.model.quantize``, ``prune``, ``distill``, ``speculative``.
+"""Chapter 7's exercises: deployment, checked against ``llmscratch.model.quantize``, ``prune``, ``distill``,
+``speculative``.
 
 Write it yourself: int8 weights with one scale per row, two int4 values packed in a byte and unpacked with
 their group scales, magnitude-pruning masks (per matrix or global), the distillation loss with its
@@ -75,7 +76,8 @@ ZERO_ROW_HINT = ("a row of zeros needs a positive scale (clamp the scale to at l
 
 
 @CHAPTER.exercise("quantize_rows_int8", title="int8 weights: one scale per row", difficulty="warm-up",
-                  section=QUANTIZATION, kind="write it yourself", forbidden=("llmscratch.model.quantize.quantize_int8",))
+                  section=QUANTIZATION, kind="write it yourself",
+                  forbidden=("llmscratch.model.quantize.quantize_int8",))
 def check_quantize_rows_int8(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(1), fresh_generator()
     cases = [[[1.0]], [[0.7, -1.0, -0.2]], [[-2.0, 0.9, 0.3], [0.1, 0.3, -0.05]], [[0.0, 0.0, 0.0], [1.5, -0.4, 0.8]],
@@ -396,7 +398,8 @@ def _count(got, case: str) -> int:
 
 @CHAPTER.exercise("speculative_accept", title="Speculative sampling's accept/reject rule, given its draws",
                   difficulty="hard", section=RULE, kind="write it yourself",
-                  forbidden=("llmscratch.deployment.speculative.accept_draft", "llmscratch.deployment.speculative.residual_distribution",
+                  forbidden=("llmscratch.deployment.speculative.accept_draft",
+                             "llmscratch.deployment.speculative.residual_distribution",
                              "llmscratch.deployment.speculative.acceptance_probability"))
 def check_speculative_accept(answer) -> int:
     generator, fresh = torch.Generator().manual_seed(7), fresh_generator()

@@ -15,6 +15,9 @@ from llmscratch.cli import add_flags, build_config, check_device, check_in_files
 from llmscratch.config import ConfigError
 from llmscratch.finetuning.config import FinetuneConfig, LoRAConfig
 
+# The script that trains the model chapter 6 starts from (the repository's, beside this package).
+CHAPTER_5_SCRIPT = Path(__file__).resolve().parents[2] / "ch05-finetuning" / "finetune_instructions.py"
+
 
 def add_finetune_flags(parser: argparse.ArgumentParser, defaults: FinetuneConfig) -> None:
     """The flags both finetuning scripts share, with this task's defaults (each script adds its own --data,
@@ -73,7 +76,7 @@ def finetune_config(args: argparse.Namespace, config_class: type[FinetuneConfig]
 
 def train_instruction_model(argv: list[str]) -> None:
     """Run ch05-finetuning/finetune_instructions.py with ``argv`` (it trains the model chapter 6 starts from)."""
-    script = Path(__file__).resolve().parents[1] / "ch05-finetuning" / "finetune_instructions.py"
+    script = CHAPTER_5_SCRIPT
     status = subprocess.run([sys.executable, str(script), *argv], check=False).returncode
     if status != 0:  # its own message is printed above
         raise ValueError(f"{script.name} {' '.join(argv)} failed (exit status {status}), so there is no model to "

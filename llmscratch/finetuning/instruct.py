@@ -426,4 +426,3 @@ def comparison_table(results: dict[str, dict]) -> str:
     if all("bits_per_byte" in r for r in results.values()):
         lines.append(row("bits per byte, held-out Moby-Dick", (f"{results[n]['bits_per_byte']:.3f}" for n in names)))
     return "\n".join(lines)
-

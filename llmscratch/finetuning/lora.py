@@ -91,7 +91,8 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` with every LoRA update off inside the block (the base model), then as before, even after an error.
 
-    The reference model of preference tuning (``llmscratch.alignment.preference``) is the policy this way: no second copy.
+    The reference model of preference tuning (``llmscratch.alignment.preference``) is the policy this way: no
+    second copy.
     """
     layers = lora_layers(model)
     if not layers:

@@ -1,4 +1,4 @@
-/* The one-row products of quantized layers (llmscratch/quantize.py), in C for the CPU.
+/* The one-row products of quantized layers (llmscratch/model/quantize.py), in C for the CPU.
 
    Decoding one token multiplies one activation row by every weight matrix, so its speed is how fast
    the weights are read and turned into floats. These loops read a layer's stored integers where they

@@ -440,5 +440,3 @@ def _taker(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
             raise ValueError(f"the checkpoint has no tensor {name!r} (missing)")
         return tensors.pop(name)
     return take
-
-

@@ -205,7 +205,6 @@ def _apply(hidden: torch.Tensor, targets: torch.Tensor, head, chunk_rows: int, i
                                           torch.is_grad_enabled(), *head.params)
 
 
-
 def left_out_of_compile(fn):
     """``fn`` run eagerly even inside torch.compile, as ``torch.compiler.disable(fn)`` is, with the disabling done
     when a compiler first traces it: importing torch._dynamo takes about 2 s, which every script paid at start-up."""

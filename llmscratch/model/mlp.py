@@ -6,6 +6,7 @@ from torch import nn
 
 __all__ = ["GATE_ACTIVATIONS", "GELUMLP", "SwiGLU"]
 
+
 # What a gated MLP's gate goes through: SiLU (SwiGLU, Llama, Qwen, Mixtral) or the tanh GELU (GeGLU, Gemma)
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")

@@ -20,6 +20,7 @@ from llmscratch.model.mlp import GATE_ACTIVATIONS, SwiGLU
 
 __all__ = ["MoE", "Router", "balance_loss", "expert_load", "route"]
 
+
 class Router(nn.Module):
     """One row of weights per expert: a token's score for each expert is its dot product with that row."""
 

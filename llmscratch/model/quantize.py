@@ -13,7 +13,7 @@ lie: it reads the stored bytes as 32-bit words and takes each value out of its w
 For that, a layer stores its values in *word order* (``to_word_order``): within each block of eight
 words, value n of word i is column ``n * 8 + i`` of the block, so the activations each value meets
 are contiguous too. ``word_product`` writes the product in PyTorch, to read; the layers run the same
-loop in C (``kernels/word_product.c``, built on first use by ``llmscratch.native``), eagerly and
+loop in C (``llmscratch/kernels/word_product.c``, built on first use by ``llmscratch.native``), eagerly and
 inside ``torch.compile`` alike, as the custom operator ``llmscratch::word_product``.
 """
 import copy
@@ -139,7 +139,7 @@ def word_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor, sc
     """x (..., in) times the weight that word-ordered ``stored`` and ``scales`` stand for: (..., out).
 
     The same as ``F.linear(x, dequantized weight)``, written as integer shifts, a multiply and a sum:
-    the loop of ``kernels/word_product.c``, in PyTorch, to read and to test the kernel against. Run
+    the loop of ``llmscratch/kernels/word_product.c``, in PyTorch, to read and to test the kernel against. Run
     eagerly it builds weight-sized temporaries; the layers call the kernel (``native_word_product``),
     or, where it cannot be built, let ``torch.compile`` fuse this into one loop for a one-row product.
     """

@@ -29,6 +29,7 @@ __all__ = ["download_gpt2", "load_hf", "load_model_and_tokenizer", "save_hf"]
 
 GPT2_VOCAB_SIZE = 50257
 
+
 # --------------------------------------------------------------------------- files
 def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
     """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU; of a multimodal Gemma 3, its

@@ -15,8 +15,8 @@ from typing import Any
 
 import regex
 
-__all__ = ["NORMALIZATIONS", "check_parts", "check_special_tokens", "check_vocab_size", "compile_split_pattern",
-           "read_document", "read_tokenizer_text", "split_covering"]
+__all__ = ["NORMALIZATIONS", "check_parts", "check_shown_merges", "check_special_tokens", "check_vocab_size",
+           "compile_split_pattern", "read_document", "read_tokenizer_text", "split_covering"]
 
 NORMALIZATIONS = ("NFC", "NFKC", "NFD", "NFKD")  # the Unicode forms a text may be put in before it is split
 # A split pattern must cover this text without a gap, or encoding would drop text silently.
@@ -137,3 +137,10 @@ def read_document(text: str, source: str, file_format: str, version: int) -> tup
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{source} is a corrupt tokenizer file: {err!r}") from None
     return fields, shown
+
+
+def check_shown_merges(shown: list[str], made: list[str], source: str) -> None:
+    """ValueError naming the first merge whose token, as the file shows it, is not the one the merge makes."""
+    if (index := next((i for i, (said, was) in enumerate(zip(shown, made)) if said != was), None)) is not None:
+        raise ValueError(f"{source} is a corrupt tokenizer file: merge {index} makes {made[index]!r}, the file "
+                         f"says {shown[index]!r}")

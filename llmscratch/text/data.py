@@ -7,6 +7,9 @@ Two ways to feed a model, from small to large:
 * ``RandomWindowBatches`` draws random windows from a token array (a split of token files,
   memory-mapped by ``llmscratch.text.corpus.load_token_split``), one reproducible, resumable
   stream per distributed rank. Nothing has to fit in memory.
+
+And the split every model of the course is scored on: ``held_out_moby_dick``, the last tenth of the novel
+(``moby_dick_training_text``, the rest, is what the bundled model learned).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from llmscratch.assets import read_moby_dick
 from llmscratch.text.corpus import Tokenizer
 
 
@@ -172,3 +176,21 @@ class RandomWindowBatches:
                     f"the saved state has {key}={state[key]}, but this sampler has {key}={value}"
                 )
         self.generator.set_state(state["generator"])
+
+
+# The held-out share of ch04-pretraining/pretrain.py's default run: the last tenth of the novel, on which every
+# model of the course is scored (it trained on the rest).
+VAL_FRACTION = 0.1
+
+
+def moby_dick_training_text(val_fraction: float = VAL_FRACTION) -> str:
+    """The first ``1 - val_fraction`` of Moby-Dick: the text the bundled model was pretrained on."""
+    return split_text(read_moby_dick(), val_fraction)[0]
+
+
+def held_out_moby_dick(text: str | None = None, val_fraction: float = VAL_FRACTION) -> str:
+    """The last ``val_fraction`` of Moby-Dick (or of ``text``), cut by characters as ch04's pretrain.py cuts it."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    text = read_moby_dick() if text is None else text
+    return split_text(text, val_fraction)[1]

@@ -17,12 +17,11 @@ from pathlib import Path
 
 from llmscratch.files import read_json_object
 from llmscratch.text.bpe import merges_from_ranks
+from llmscratch.text.checks import NORMALIZATIONS
 from llmscratch.text.sentencepiece import SPACE, SPM_FILE_FORMAT, SentencePieceBPE
 from llmscratch.text.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer
 
 __all__ = ["byte_level_alphabet", "load_tokenizer", "tokenizer_from_hf", "tokenizer_from_json"]
-
-NORMALIZATIONS = ("NFC", "NFKC", "NFD", "NFKD")
 
 
 @functools.cache
@@ -256,5 +255,3 @@ def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
                             _config_token(file, "eos_token", {**model["vocab"], **added}), _first_special(data),
                             file.parent.name or "hf", added_text=added_text,
                             fuse_unk=bool(model.get("fuse_unk", False)))
-
-

@@ -59,7 +59,6 @@ def _special_set(tokenizer, names: SpecialSet, argument: str) -> set[str]:
     return set(names)
 
 
-
 @functools.lru_cache(maxsize=64)
 def _special_regex_cached(tokens: frozenset[str], capture: bool) -> regex.Pattern:
     # Longest first, so a special token that contains another one wins.

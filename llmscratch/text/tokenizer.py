@@ -23,8 +23,8 @@ from llmscratch.assets import GPT2_RANKS_PATH
 from llmscratch.files import write_text_atomically
 from llmscratch.progress import progress_bar
 from llmscratch.text.bpe import Pair, apply_merges, learn_merges, merges_from_ranks
-from llmscratch.text.checks import (check_parts, check_vocab_size, compile_split_pattern, read_document,
-                                    read_tokenizer_text, split_covering)
+from llmscratch.text.checks import (check_parts, check_shown_merges, check_vocab_size, compile_split_pattern,
+                                    read_document, read_tokenizer_text, split_covering)
 from llmscratch.text.special_tokens import (SpecialSet, encode_with_specials, replace_lone_surrogates, special_regex,
                                             split_added_text)
 
@@ -36,6 +36,7 @@ FILE_FORMAT, FILE_VERSION = "llmscratch-bpe", 1
 _CACHE_LIMIT = 1 << 17  # chunk-cache entries kept before the cache is cleared
 _JSON_VALUE = r'(?:"(?:[^"\\]|\\.)*"|[^\s\[\]{},"]+)'  # a JSON string, number, true, false or null
 _FLAT_LIST = regex.compile(rf"\[\n +{_JSON_VALUE}(?:,\n +{_JSON_VALUE})*\n *\]")  # as json.dumps(indent=2) writes it
+
 
 class BPETokenizer:
     """Byte-level BPE: regex pre-splitting, then merges applied in the order learned."""
@@ -231,10 +232,7 @@ class BPETokenizer:
             tokenizer = cls(**fields)
         except (ValueError, TypeError) as err:  # the parts' own checks: a sentence that names the bad value
             raise ValueError(f"{source} is a corrupt tokenizer file: {err}") from None
-        made = [_readable(tokenizer.vocab[256 + index]) for index in range(len(shown))]
-        if (index := next((i for i, (said, was) in enumerate(zip(shown, made)) if said != was), None)) is not None:
-            raise ValueError(f"{source} is a corrupt tokenizer file: merge {index} makes {made[index]!r}, the file "
-                             f"says {shown[index]!r}")
+        check_shown_merges(shown, [_readable(tokenizer.vocab[256 + index]) for index in range(len(shown))], source)
         return tokenizer
 
     def save(self, path: str | os.PathLike) -> None:
@@ -267,8 +265,6 @@ def _gpt2_merges() -> tuple[tuple[int, ...], tuple[Pair, ...]]:
     """GPT-2's byte order and merges, recovered once per process (about a second)."""
     byte_order, merges = merges_from_ranks(load_gpt2_ranks())
     return tuple(byte_order), tuple(merges)
-
-
 
 
 def _count_chunks(text: str, splitter: regex.Pattern, special_tokens: list[str]) -> dict[bytes, int]:

@@ -89,3 +89,20 @@ def evaluate(model: nn.Module, tokens: np.ndarray, token_bytes: torch.Tensor, ba
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
             "bits_per_byte": bits_per_byte(loss, bytes_per_token) if n_bytes else float("nan"),
             "bytes_per_token": bytes_per_token}
+
+
+def held_out_bits(model: nn.Module, tokenizer, text: str, device: torch.device, batch_size: int = 16,
+                  max_windows: int | None = None) -> dict[str, float]:
+    """The model's bits per byte on ``text``, in windows of its context (the first ``max_windows`` only, if given),
+    beside a uniform guess's over its vocabulary: "bits_per_byte", "uniform_bits_per_byte", and "predicted", the
+    number of tokens scored."""
+    tokens = np.array(tokenizer.encode(text, allowed_special="all"), dtype=np.int64)
+    context = model.config.context_length
+    max_tokens = None if max_windows is None else max_windows * context + 1
+    result = evaluate(model, tokens, token_byte_lengths(tokenizer, model.config.vocab_size), batch_size, device,
+                      max_tokens=max_tokens)
+    usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+    # What a model that learned nothing pays: ln V nats for every token, whatever it is.
+    uniform = bits_per_byte(math.log(model.config.vocab_size), result["bytes_per_token"])
+    return {"bits_per_byte": result["bits_per_byte"], "uniform_bits_per_byte": uniform,
+            "predicted": (usable - 1) // context * context}

@@ -105,5 +105,3 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     if device.type == "cpu":
         return cpu_peak_flops(dtype)
     return None
-
-

@@ -37,8 +37,8 @@ from llmscratch.files import check_zip_checksums
 from llmscratch.model.config import GPTConfig
 from llmscratch.training import distributed
 
-__all__ = ["META_FILE", "check_model_config", "load_sharded", "load_sharded_renamed", "read_meta", "rng_state", "save_sharded",
-           "set_rng_state", "sharded_checkpoint_path"]
+__all__ = ["META_FILE", "check_model_config", "load_sharded", "load_sharded_renamed", "read_meta", "rng_state",
+           "save_sharded", "set_rng_state", "sharded_checkpoint_path"]
 
 META_FILE = "meta.pt"
 SHARDED_FORMAT = "llmscratch-sharded-checkpoint"

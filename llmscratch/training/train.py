@@ -330,7 +330,7 @@ class Trainer:
 
     def _load_other_qkv_layout(self) -> None:
         """Load a checkpoint whose attention stores q, k, v the other way (split under tensor parallelism,
-        fused otherwise): renamed through whole tensors (``sharded_checkpoint.load_sharded_renamed``)."""
+        fused otherwise): renamed through whole tensors (``resume.load_sharded_renamed``)."""
         sizes = qkv_sizes(self.model.config)
         convert = functools.partial(split_qkv_state, sizes=sizes) if self.split_qkv else fused_qkv_state
         load_sharded_renamed(self.checkpoint_path, self.model, self.optimizer_step.optimizer, convert)
