@@ -16,7 +16,7 @@ from typing import Any
 import regex
 
 __all__ = ["NORMALIZATIONS", "check_parts", "check_shown_merges", "check_special_tokens", "check_vocab_size",
-           "compile_split_pattern", "read_document", "read_tokenizer_text", "split_covering"]
+           "compile_split_pattern", "parse_tokenizer_json", "read_document", "read_tokenizer_text", "split_covering"]
 
 NORMALIZATIONS = ("NFC", "NFKC", "NFD", "NFKD")  # the Unicode forms a text may be put in before it is split
 # A split pattern must cover this text without a gap, or encoding would drop text silently.
@@ -115,13 +115,18 @@ def read_tokenizer_text(path: str | os.PathLike) -> str:
         raise ValueError(f"{path} is not a tokenizer file (not UTF-8: {err})") from None
 
 
+def parse_tokenizer_json(text: str, source: str) -> Any:
+    """The JSON value of a tokenizer file's text; text that is not JSON is a ValueError naming ``source``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
+
+
 def read_document(text: str, source: str, file_format: str, version: int) -> tuple[dict[str, Any], list[str]]:
     """The constructor arguments a ``BPETokenizer.to_json`` document holds, and the token each merge is said to
     make (to be compared with what it makes); a document of another kind or a damaged one is a ValueError."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
+    data = parse_tokenizer_json(text, source)
     if not isinstance(data, dict) or data.get("format") != file_format:
         raise ValueError(f"{source} is not an {file_format} file (format field missing or wrong; "
                          f"llmscratch.text.hf_tokenizer.load_tokenizer reads every kind of tokenizer file)")

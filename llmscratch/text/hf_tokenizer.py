@@ -10,14 +10,13 @@ WordPiece, Unigram, other pre-tokenizers or normalizers) is a ValueError that na
 """
 
 import functools
-import json
 import os
 import unicodedata
 from pathlib import Path
 
 from llmscratch.files import read_json_object
 from llmscratch.text.bpe import merges_from_ranks
-from llmscratch.text.checks import NORMALIZATIONS
+from llmscratch.text.checks import NORMALIZATIONS, parse_tokenizer_json, read_tokenizer_text
 from llmscratch.text.sentencepiece import SPACE, SPM_FILE_FORMAT, SentencePieceBPE
 from llmscratch.text.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer
 
@@ -42,10 +41,7 @@ def byte_level_alphabet() -> dict[str, int]:
 def tokenizer_from_json(text: str, source: str = "the tokenizer JSON") -> "BPETokenizer | SentencePieceBPE":
     """The tokenizer a file of ours holds (``BPETokenizer.to_json`` or ``SentencePieceBPE.to_json``); a corrupt or
     unknown document is a ValueError naming ``source``."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
+    data = parse_tokenizer_json(text, source)
     if isinstance(data, dict) and data.get("format") == SPM_FILE_FORMAT:  # Gemma's kind
         return SentencePieceBPE.from_document(data, source)
     return BPETokenizer.from_json(text, source)
@@ -54,14 +50,8 @@ def tokenizer_from_json(text: str, source: str = "the tokenizer JSON") -> "BPETo
 def load_tokenizer(path: str | os.PathLike) -> "BPETokenizer | SentencePieceBPE":
     """The tokenizer in a file: one saved by either of our tokenizers, or a Hugging Face ``tokenizer.json``."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not a tokenizer file (not UTF-8: {err})") from None
-    try:
-        content = json.loads(text)
-    except json.JSONDecodeError:
-        content = None  # tokenizer_from_json names what is wrong with it
+    text = read_tokenizer_text(path)
+    content = parse_tokenizer_json(text, str(path))
     if isinstance(content, dict) and isinstance(content.get("model"), dict) and "format" not in content:
         return tokenizer_from_hf(path)
     return tokenizer_from_json(text, source=str(path))
