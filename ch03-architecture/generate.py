@@ -8,7 +8,9 @@ export or the ``checkpoint.pt`` that ch04-pretraining/pretrain.py writes, or the
 them) carry their tokenizer; a Hugging Face folder (``config.json`` + ``model.safetensors``) uses its
 ``tokenizer.json`` (Qwen2/Qwen3, Llama 3, GPT-2, Gemma: ``llmscratch.text.hf_tokenizer``), and one of the GPT-2
 family without it GPT-2's vocabulary, which ships with llmscratch. Other vocabularies: pass ``--tokenizer`` (a JSON
-file saved by chapter 1's script).
+file saved by chapter 1's script). Past the model's context each new token reads only the last context's
+worth of tokens (a sliding window, the whole window run per token), so --max-new-tokens is bounded to
+64 contexts.
 """
 
 import argparse
@@ -20,10 +22,14 @@ import torch
 from llmscratch.cli import check_device, run_script
 from llmscratch.device import DTYPES
 from llmscratch.model.generate import stream_text
+from llmscratch.model.quantize import describe
 from llmscratch.model.weights import load_model_and_tokenizer  # every model source the course writes, one loader
+
+MAX_WINDOWS = 64  # --max-new-tokens at most this many contexts: past one, every token reruns a whole window
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, with the model loaded (``args.loaded``: model and tokenizer) to check them against."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("checkpoint", type=Path,
@@ -31,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
              "Hugging Face folder")
     add("--prompt", default="",
         help="the text to continue (default: empty, which starts from the <|endoftext|> token)")
-    add("--max-new-tokens", type=int, default=100, help="how many tokens to generate at most (default 100)")
+    add("--max-new-tokens", type=int, default=100,
+        help=f"how many tokens to generate at most, up to {MAX_WINDOWS} times the model's context (default 100)")
     add("--temperature", type=float, default=0.8,
         help="divides the logits before sampling: < 1 safer, > 1 wilder; 0 is greedy decoding (default 0.8)")
     add("--top-k", type=int, default=None, help="sample only among the k most likely tokens (default: all)")
@@ -65,15 +72,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ignore_eos and args.eos_id is not None:
         parser.error("--eos-id and --ignore-eos contradict each other: give one of them")
     check_device(parser, args)
+    try:
+        args.loaded = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    context = args.loaded[0].config.context_length
+    if args.max_new_tokens > MAX_WINDOWS * context:
+        parser.error(f"--max-new-tokens {args.max_new_tokens:,} is more than {MAX_WINDOWS} times the model's context "
+                     f"of {context:,} tokens ({MAX_WINDOWS * context:,}): past its context each new token reads "
+                     f"only the last {context:,}, and reruns them all; ask for at most {MAX_WINDOWS * context:,}")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        model, tokenizer = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    model, tokenizer = args.loaded
+    if quantization := getattr(model, "quantization", None):  # --dtype applies to the rest: norms, embedding, scales
+        print(f"note: {args.checkpoint} holds {describe(quantization)}; --dtype {args.dtype} is the precision of "
+              f"the rest", file=sys.stderr)
     model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
     eos_id = None if args.ignore_eos else (tokenizer.eot_token if args.eos_id is None else args.eos_id)
     prompt = args.prompt
@@ -87,6 +103,10 @@ def main(argv=None) -> None:
     if n_prompt > context:
         print(f"\nnote: the prompt is {n_prompt:,} tokens, more than the model's context of {context:,}: it reads only "
               f"the last {context:,} of them", file=sys.stderr)
+    elif n_prompt + args.max_new_tokens > context:
+        print(f"\nnote: {n_prompt:,} prompt tokens and {args.max_new_tokens:,} new ones are more than the model's "
+              f"context of {context:,}: past it each new token reads only the last {context:,} (a sliding window, "
+              f"slower)", file=sys.stderr)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     try:
         for piece in stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,

@@ -11,7 +11,8 @@ client (base_url "http://127.0.0.1:8000/v1"); docs/serving.md shows both. Endpoi
 
 API keys come from --api-key (repeatable) and from the environment variable LLMSCRATCH_API_KEYS
 (comma-separated). With none the server answers anyone who can reach it, so it then listens on
-127.0.0.1 only: another --host needs a key.
+127.0.0.1 only (another --host needs a key) and answers only requests whose Host header names it.
+Behind a reverse proxy, name it with --trusted-proxy so that its X-Forwarded-For is believed.
 """
 
 import argparse
@@ -20,12 +21,13 @@ import os
 from pathlib import Path
 
 import torch
-import uvicorn
 
 from llmscratch.cli import check_device, resolve_model, run_script, value_errors_exit
 from llmscratch.deployment.engine import BATCH_SHAPES, Engine
+from llmscratch.deployment.guard import MAX_BODY_BYTES, READ_TIMEOUT, SHUTDOWN_GRACE, make_server
 from llmscratch.deployment.server import create_app
 from llmscratch.device import DTYPES
+from llmscratch.model.quantize import describe
 from llmscratch.model.weights import load_model_and_tokenizer
 from llmscratch.text.chat_template import ChatTemplate
 
@@ -45,6 +47,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"a key clients must send as 'Authorization: Bearer KEY'; repeat for several (also ${KEYS_VARIABLE})")
     add("--rate-limit", type=int, default=None, metavar="N",
         help="at most N requests per minute per key (per address without keys); default: no limit")
+    add("--trusted-proxy", action="append", default=[], metavar="ADDRESS",
+        help="a reverse proxy whose X-Forwarded-For names the client; repeat for several (default: none, so the "
+             "client's address is the connection's)")
+    add("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20, metavar="MIB",
+        help=f"largest request body, in MiB; larger ones get 413 (default {MAX_BODY_BYTES / 2**20:g})")
+    add("--read-timeout", type=float, default=READ_TIMEOUT, metavar="SECONDS",
+        help=f"time for a request's headers, and then its body, to arrive; slower ones are closed or get 408 "
+             f"(default {READ_TIMEOUT:g})")
+    add("--shutdown-grace", type=float, default=SHUTDOWN_GRACE, metavar="SECONDS",
+        help=f"at SIGTERM or Ctrl-C, time running answers get to finish before they end with an error event "
+             f"(default {SHUTDOWN_GRACE:g})")
     add("--max-slots", type=int, default=16, help="sequences decoded together, one KV-cache row each (default 16)")
     add("--max-waiting", type=int, default=64,
         help="requests queued for a free slot; more are refused at once with 503 (default 64)")
@@ -68,6 +81,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         ("--rate-limit", args.rate_limit)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--max-body-mib", args.max_body_mib), ("--read-timeout", args.read_timeout)):
+        if not value > 0:  # not: NaN too
+            parser.error(f"{flag} must be more than 0, got {value}")
+    if not args.shutdown_grace >= 0:
+        parser.error(f"--shutdown-grace must be 0 or more, got {args.shutdown_grace}")
+    for proxy in args.trusted_proxy:
+        try:
+            ipaddress.ip_network(proxy)
+        except ValueError:
+            parser.error(f"--trusted-proxy {proxy}: not an IP address or network (such as 127.0.0.1 or 10.0.0.0/8)")
     if not args.api_key and not is_loopback(args.host):
         parser.error(f"--host {args.host} listens beyond this machine: give --api-key (or ${KEYS_VARIABLE}) so that "
                      f"not everyone who can reach it can use it")
@@ -89,18 +112,27 @@ def main(argv=None) -> None:
         model, tokenizer = load_model_and_tokenizer(args.model)
         # A Hugging Face folder's own chat format, if it has one; else ch05's instruction template
         chat_template = ChatTemplate.from_hf(args.model, tokenizer) if Path(args.model).is_dir() else None
-    model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
-    engine = Engine(model, tokenizer, max_slots=args.max_slots, max_waiting=args.max_waiting,
-                    batch_shape=args.batch_shape)
+        model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+        engine = Engine(model, tokenizer, max_slots=args.max_slots, max_waiting=args.max_waiting,
+                        batch_shape=args.batch_shape)
     name = args.name or args.name_default
     app = create_app(engine, model_name=name, api_keys=args.api_key, requests_per_minute=args.rate_limit,
-                     chat_template=chat_template)
+                     chat_template=chat_template, hosts=[args.host], max_body_bytes=int(args.max_body_mib * 2**20),
+                     read_timeout=args.read_timeout)
     keys = f"{len(args.api_key)} API key(s)" if args.api_key else "no API key"
     chat = "its own chat template" if chat_template else "the instruction template"
-    print(f"serving {name} ({model.num_params() / 1e6:.1f}M parameters, {args.dtype}, {args.device}; {keys}; {chat}) "
-          f"at http://{args.host}:{args.port}/  (torch threads: {torch.get_num_threads()})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    print(f"serving {name} ({model.num_params() / 1e6:.1f}M parameters, {precision(model, args.dtype)}, "
+          f"{args.device}; {engine.cache_description}; {keys}; {chat}) at http://{args.host}:{args.port}/  (torch threads: "
+          f"{torch.get_num_threads()})", flush=True)
+    make_server(app, args.host, args.port, trusted_proxies=args.trusted_proxy, read_timeout=args.read_timeout,
+                shutdown_grace=args.shutdown_grace).run()
 
+
+def precision(model, dtype: str) -> str:
+    """What the weights are: "float32", or a quantized model's scheme ("int4 weights (group 64, int8 head), the rest
+    float32")."""
+    quantization = getattr(model, "quantization", None)
+    return dtype if not quantization else f"{describe(quantization)}, the rest {dtype}"
 
 if __name__ == "__main__":
     run_script(main)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "autocast", "choose_dtype", "cpu_has_amx", "cpu_model", "resolve_device"]
+__all__ = ["DTYPES", "autocast", "available_memory", "choose_dtype", "cpu_has_amx", "cpu_model", "resolve_device"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,3 +75,60 @@ def cpu_model() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return "unknown cpu"
+
+
+def available_memory(device: torch.device | str) -> int | None:
+    """Bytes that new tensors on ``device`` can take now, or None where this is unknown.
+
+    CUDA: the GPU's free memory. CPU: Linux's MemAvailable (what can be had without swapping), within a
+    container's memory limit where one is set; elsewhere the free pages the system reports.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    free = _meminfo_available()
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # not a system that says (macOS has no SC_AVPHYS_PAGES)
+            return None
+    limit = _cgroup_room()
+    return free if limit is None else min(free, limit)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def machine_memory() -> int | None:
+    """Bytes of memory this machine has (less where a container's limit is lower), or None where unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
+    limit = _cgroup_memory()
+    return total if limit is None else min(total, limit[0])
+
+
+def _cgroup_room() -> int | None:
+    """A container's memory limit less what it uses, or None where no limit is set."""
+    limit = _cgroup_memory()
+    return None if limit is None else max(0, limit[0] - limit[1])
+
+
+def _cgroup_memory() -> tuple[int, int] | None:
+    """A container's memory (limit, usage) in bytes (cgroup v2, else v1), or None where no limit is set."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            return int(Path(limit_file).read_text().strip()), int(Path(usage_file).read_text())
+        except (OSError, ValueError):  # no such file, or "max": no limit here
+            continue
+    return None

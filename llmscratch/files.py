@@ -272,6 +272,23 @@ def read_safetensors(path: str | os.PathLike, tensors: bool = True) -> tuple[dic
     return metadata, loaded
 
 
+def read_safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor in a safetensors file, from its header alone: no tensor is read or allocated.
+
+    A missing, truncated or foreign file is a ValueError naming it, as in ``read_safetensors``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no safetensors file at {path}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = f.keys()
+            return {name: tuple(f.get_slice(name).get_shape()) for name in names}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated, corrupt, or not a safetensors "
+                         f"file at all: {err}); copy or download it again") from None
+
+
 # --------------------------------------------------------------------------- text and JSON files, checked
 def input_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` is not a file to read (no such file, a folder, a device or pipe), or None."""

@@ -1,7 +1,8 @@
 """A server under test: a FastAPI app run by uvicorn in a thread, on 127.0.0.1 and a free port, with deadlines.
 
 ``running_server(app)`` yields the base URL ("http://127.0.0.1:PORT") once the server answers, and stops it
-when the block ends; starting and stopping are bounded, so a server that hangs fails the test in seconds.
+when the block ends; starting and stopping are bounded, so a server that hangs fails the test in seconds. The
+server is ``llmscratch.deployment.guard.make_server``'s, as serve.py runs it (its keyword arguments pass on).
 """
 
 import contextlib
@@ -10,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-import uvicorn
+from llmscratch.deployment.guard import make_server
 
 
 def free_port() -> int:
@@ -20,10 +21,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(app, start_timeout: float = 30.0, stop_timeout: float = 30.0) -> Iterator[str]:
+def running_server(app, start_timeout: float = 30.0, stop_timeout: float = 30.0, **options) -> Iterator[str]:
     """``app`` served on loopback in a daemon thread for the block; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = make_server(app, "127.0.0.1", port, **options)
     thread = threading.Thread(target=server.run, name="uvicorn-under-test", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

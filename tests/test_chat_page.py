@@ -284,10 +284,11 @@ def test_errors_show_in_the_page_and_the_api_key_is_sent_and_kept():
         assert reply == reference_reply(url, request["body"], auth)
         assert content(status) == ""
 
-        # The key outlives a reload (localStorage), and the page loads the model with it.
+        # The key outlives a reload (sessionStorage: this tab only), and the page loads the model with it.
         driver.refresh()
         wait_for_model(driver, model)
         assert by_id(driver, "api-key").get_attribute("value") == API_KEY
+        assert driver.execute_script("return window.localStorage.length") == 0  # never written to disk
 
 
 @pytest.mark.timeout(180)

@@ -9,9 +9,11 @@ equal, on prompts whose top two logits are further apart than twice that toleran
 
 import copy
 import dataclasses
+import math
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,9 @@ from hypothesis import strategies as st
 from model_fixtures import LATER_SHAPES, randomize
 
 from llmscratch.cli import DEFAULT_MODELS
+from llmscratch.deployment import engine as engine_module
 from llmscratch.deployment.engine import Engine, QueueFull, Request, SamplingParams, StopText
+from llmscratch.device import available_memory
 from llmscratch.finetuning.instruct import format_chat, format_prompt
 from llmscratch.model.attention import KVCache, positions_mask
 from llmscratch.model.config import GPTConfig
@@ -461,3 +465,96 @@ def test_bfloat16_and_quantized_models_answer_as_generate_does(base, form):
         ids = tokenizer.encode(prompt)
         out = generate(served, torch.tensor([ids]), 12, eos_id=tokenizer.eot_token, vocab_size=tokenizer.n_vocab)
         assert result.token_ids == [i for i in out[0, len(ids):].tolist() if i != tokenizer.eot_token], prompt
+
+
+# --------------------------------------------------------------------------- the cache's size, told and checked at start
+LONG_CONTEXT = 40_960  # a Hugging Face folder's (issue 50): 9.4 GB a slot for its model, 10 MiB for this tiny one
+
+
+class ByteTokenizer:
+    """What the engine asks of a tokenizer, for models of any vocabulary."""
+
+    eot_token, n_vocab = 0, 256
+
+    def decode_bytes(self, ids):
+        return bytes(ids)
+
+
+def forbid_big_allocations(monkeypatch, elements: int = 2**22) -> None:
+    """torch.zeros and torch.empty of more than ``elements`` fail the test: the engine must refuse before allocating."""
+    def guard(name):
+        original = getattr(torch, name)
+
+        def guarded(*size, **kwargs):
+            shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+            assert math.prod(shape) <= elements, f"torch.{name}{tuple(shape)} was called before the size was checked"
+            return original(*size, **kwargs)
+
+        monkeypatch.setattr(torch, name, guarded)
+
+    guard("zeros")
+    guard("empty")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_cache_too_large_for_the_memory_free_is_refused_before_allocating(monkeypatch, kind):
+    model, tokenizer = tiny(kind, context_length=LONG_CONTEXT), ByteTokenizer()
+    per_slot = 2 * LONG_CONTEXT * 2 * model.config.kv_heads * model.config.head_dim * 4  # keys and values, 2 layers
+    assert engine_module.kv_cache_bytes(model, 16, LONG_CONTEXT) == 16 * per_slot
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 12 * per_slot)
+    forbid_big_allocations(monkeypatch)
+    with pytest.raises(ValueError) as refused:
+        Engine(model, tokenizer)  # the default 16 slots
+    message = str(refused.value)
+    for part in [f"{16 * per_slot:,} bytes", "16 slots x 40,960 positions", "free on cpu",
+                 "--max-slots (6 fit)", "--dtype bfloat16"]:
+        assert part in message, (part, message)
+
+
+def test_a_huge_max_slots_is_refused_on_this_machine_before_allocating(monkeypatch):
+    model = tiny("llama", context_length=LONG_CONTEXT)  # 10 MiB a slot: 100,000 slots are 1 TB
+    forbid_big_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=r"100,000 slots .* free on cpu .*--max-slots \([\d,]+ fit\)"):
+        Engine(model, ByteTokenizer(), max_slots=100_000)
+
+
+def test_a_context_too_long_for_one_slot_says_so_and_a_bfloat16_model_is_not_told_to_use_bfloat16(monkeypatch):
+    model = tiny("gpt2", context_length=LONG_CONTEXT).to(torch.bfloat16)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1000)
+    forbid_big_allocations(monkeypatch)
+    with pytest.raises(ValueError, match="not one slot fits; use a device with more memory$"):
+        Engine(model, ByteTokenizer(), max_slots=2)
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_bytes_told_at_start_are_the_bytes_allocated(monkeypatch, kind, dtype):
+    model = tiny(kind).to(dtype)
+    expected = engine_module.kv_cache_bytes(model, 3, model.config.context_length)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: int(expected / engine_module.CACHE_SHARE))
+    engine = Engine(model, ByteTokenizer(), max_slots=3)  # exactly the share: it fits
+    assert engine.cache_bytes == expected == sum(c.keys.nbytes + c.values.nbytes for c in engine.caches)
+    assert engine.cache_description.startswith("KV cache ") and "3 slots x 40 positions" in engine.cache_description
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: int(expected / engine_module.CACHE_SHARE) - 1)
+    with pytest.raises(ValueError, match="--max-slots \\(2 fit\\)"):
+        Engine(model, ByteTokenizer(), max_slots=3)
+
+
+def test_the_memory_free_on_a_cpu_is_known_and_at_most_what_linux_says():
+    free = available_memory("cpu")
+    assert isinstance(free, int) and free > 0
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        said = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable"))
+        assert free <= said * 1024 * 1.5  # read at another moment: other processes come and go
+
+
+@pytest.mark.cuda
+def test_a_cache_too_large_for_the_gpu_is_refused_naming_its_free_memory(monkeypatch):
+    model = tiny("llama", context_length=LONG_CONTEXT).cuda()
+    free = available_memory(model.token_embedding.weight.device)
+    assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(ValueError, match=r"free on cuda:0 .*--max-slots"):
+        Engine(model, ByteTokenizer(), max_slots=100_000)
+    engine = Engine(model, ByteTokenizer(), max_slots=2)
+    assert engine.cache_bytes == sum(c.keys.nbytes + c.values.nbytes for c in engine.caches)

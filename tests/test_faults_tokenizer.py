@@ -163,3 +163,186 @@ def test_api_fault_is_a_value_error_naming_it(tmp_path, setup, message):
         call()
     assert message in str(error.value)
     assert files_under(tmp_path) == before
+
+
+# --------------------------------------------------------------------- hub files that are not what they claim
+# Issue 50, item 4: each damaged field of a tokenizer.json or tokenizer_config.json is one ValueError naming the file
+# and the field (never a KeyError, AttributeError or TypeError from deep inside), and a split pattern that
+# backtracks catastrophically (item 3) is refused when the file is read, or stopped when it meets such a text.
+@pytest.fixture(scope="module")
+def hub_document():
+    """A Qwen-style tokenizer.json written by the tokenizers library (added tokens, a Split, NFC), as JSON."""
+    from test_hf_tokenizer import qwen_style
+
+    return json.loads(qwen_style().to_str())
+
+
+def first_token(data):
+    return next(iter(data["model"]["vocab"]))
+
+
+def set_field(path: str, value):
+    """An edit that sets the field at ``path`` (keys and list indexes, dotted) to ``value``."""
+    def edit(data):
+        *parents, last = [int(part) if part.isdigit() else part for part in path.split(".")]
+        for part in parents:
+            data = data[part]
+        data[last] = value
+    return edit
+
+
+TOKENIZER_JSON_FAULTS = [  # (what goes wrong, the edit, what the message says after "tokenizer.json: ")
+    ("added token without content", lambda d: d["added_tokens"][3].pop("content"), "added_tokens[3] has no 'content'"),
+    ("added token a string", set_field("added_tokens.1", "<|im_end|>"),
+     'added_tokens[1] should be an object, got the string "<|im_end|>"'),
+    ("post_processor a string", set_field("post_processor", "TemplateProcessing"),
+     "post_processor should be an object, got the string"),
+    ("pre_tokenizer a list", set_field("pre_tokenizer", ["Split", "ByteLevel"]), "pre_tokenizer should be an object"),
+    ("integer merge", set_field("model.merges.5", 5),
+     "model.merges[5] should be a string 'left right' or a pair of strings, got the integer 5"),
+    ("string vocabulary id", lambda d: d["model"]["vocab"].update({first_token(d): "5"}),
+     "should be an integer, got the string \"5\""),
+    # held out: the same kinds of damage elsewhere
+    ("added token without id", lambda d: d["added_tokens"][0].pop("id"), "added_tokens[0] has no 'id'"),
+    ("added token id a string", set_field("added_tokens.2.id", "702"), "added_tokens[2].id should be an integer"),
+    ("added token id a bool", set_field("added_tokens.2.id", True),
+     "added_tokens[2].id should be an integer, got true"),
+    ("added token content a number", set_field("added_tokens.0.content", 7), "added_tokens[0].content should be a"),
+    ("added token special a string", set_field("added_tokens.0.special", "yes"), "added_tokens[0].special should be"),
+    ("added_tokens an object", set_field("added_tokens", {"<|im_end|>": 702}), "added_tokens should be a list"),
+    ("normalizer a number", set_field("normalizer", 5), "normalizer should be an object, got the integer 5"),
+    ("normalizers a string", set_field("normalizer", {"type": "Sequence", "normalizers": "NFC"}),
+     "normalizer.normalizers should be a list"),
+    ("decoder a string", set_field("decoder", "ByteLevel"), "decoder should be an object"),
+    ("pre-tokenizer step a string", set_field("pre_tokenizer.pretokenizers.0", "Split"),
+     "pre_tokenizer.pretokenizers[0] should be an object"),
+    ("split pattern a string", set_field("pre_tokenizer.pretokenizers.0.pattern", r"\s+"),
+     "pre_tokenizer.pretokenizers[0].pattern should be an object"),
+    ("split regex a number", set_field("pre_tokenizer.pretokenizers.0.pattern", {"Regex": 5}),
+     "pre_tokenizer.pretokenizers[0].pattern.Regex should be a string"),
+    ("use_regex a string", set_field("pre_tokenizer.pretokenizers.1.use_regex", "false"),
+     "pre_tokenizer.pretokenizers[1].use_regex should be true or false"),
+    ("post-processor piece a string", set_field("post_processor", {"type": "TemplateProcessing", "single": ["<s>"]}),
+     "post_processor.single[0] should be an object"),
+    ("post-processor token id a number",
+     set_field("post_processor", {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": 1}}]}),
+     "post_processor.single[0].SpecialToken.id should be a string"),
+    ("processors an object", set_field("post_processor", {"type": "Sequence", "processors": {}}),
+     "post_processor.processors should be a list"),
+    ("merge of three", set_field("model.merges.2", ["a", "b", "c"]), "model.merges[2] should be"),
+    ("merge of a string and a number", set_field("model.merges.2", ["a", 5]), "model.merges[2] should be"),
+    ("merges an object", set_field("model.merges", {"a": "b"}), "model.merges should be a list"),
+    ("vocabulary a list", set_field("model.vocab", [["a", 0]]), "model.vocab should be an object, got a list"),
+    ("vocabulary id a float", lambda d: d["model"]["vocab"].update({first_token(d): 1.5}), "should be an integer"),
+    ("no vocabulary", lambda d: d["model"].pop("vocab"), "model has no 'vocab'"),
+    ("ignore_merges a string", set_field("model.ignore_merges", "no"), "model.ignore_merges should be true or false"),
+    ("byte_fallback a number", set_field("model.byte_fallback", 1), "model.byte_fallback should be true or false"),
+    ("unk_token a number", set_field("model.unk_token", 0), "model.unk_token should be a string"),
+    ("added token empty", set_field("added_tokens.0.content", ""), "special tokens must be non-empty strings"),
+    ("post-processor names no special token",
+     set_field("post_processor", {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}}]}),
+     "bos_token '<s>' is not one of the special tokens"),
+]
+
+
+@pytest.mark.parametrize("edit, message", [case[1:] for case in TOKENIZER_JSON_FAULTS],
+                         ids=[case[0] for case in TOKENIZER_JSON_FAULTS])
+def test_a_damaged_tokenizer_json_is_named_by_file_and_field(tmp_path, hub_document, edit, message):
+    from llmscratch.text.hf_tokenizer import load_tokenizer, tokenizer_from_hf
+
+    document = json.loads(json.dumps(hub_document))
+    edit(document)
+    write(tmp_path / "tokenizer.json", json.dumps(document))
+    for load in (tokenizer_from_hf, load_tokenizer):
+        with pytest.raises(ValueError) as error:
+            load(tmp_path / "tokenizer.json")
+        assert f"{tmp_path / 'tokenizer.json'}: " in str(error.value) and message in str(error.value)
+        assert "\n" not in str(error.value)
+
+
+CONFIG_FAULTS = [  # (what goes wrong, tokenizer_config.json, what the message says after "tokenizer_config.json: ")
+    ("eos_token without content", {"eos_token": {"special": True}},
+     "eos_token should be a string, or an object with a string 'content', got an object"),
+    ("bos_token a number", {"bos_token": 1}, "bos_token should be a string, or an object"),
+    ("chat_template a number", {"chat_template": 5}, "chat_template should be Jinja text"),
+    ("chat_template a list of strings", {"chat_template": ["{{ 1 }}"]}, "chat_template should be Jinja text"),
+    ("named template without text", {"chat_template": [{"name": "default"}]}, "chat_template should be Jinja text"),
+    ("added_tokens_decoder entry a string", {"added_tokens_decoder": {"702": "<|im_end|>"}},
+     "added_tokens_decoder['702'] should be an object"),
+    ("added_tokens_decoder entry without content", {"added_tokens_decoder": {"702": {"special": True}}},
+     "added_tokens_decoder['702'] has no 'content'"),
+    ("added_tokens_decoder key not an id", {"added_tokens_decoder": {"x": {"content": "<|im_end|>"}}},
+     "added_tokens_decoder has the key 'x', which is not a token id"),
+    ("added_tokens_decoder a list", {"added_tokens_decoder": []}, "added_tokens_decoder should be an object"),
+]
+
+
+@pytest.mark.parametrize("config, message", [case[1:] for case in CONFIG_FAULTS],
+                         ids=[case[0] for case in CONFIG_FAULTS])
+def test_a_damaged_tokenizer_config_is_named_by_file_and_field(tmp_path, hub_document, config, message):
+    from llmscratch.text.chat_template import ChatTemplate
+    from llmscratch.text.hf_tokenizer import tokenizer_from_hf
+
+    write(tmp_path / "tokenizer.json", json.dumps(hub_document))
+    write(tmp_path / "tokenizer_config.json", json.dumps(config))
+    for load in (tokenizer_from_hf, ChatTemplate.from_hf):
+        with pytest.raises(ValueError) as error:
+            load(tmp_path)
+        assert f"{tmp_path / 'tokenizer_config.json'}: {message}" in str(error.value)
+
+
+def with_split(document: dict, pattern: str) -> dict:
+    document = json.loads(json.dumps(document))
+    document["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": pattern}
+    return document
+
+
+@pytest.mark.parametrize("prefix", [r"(?:a|a)+$|", r"(?:\s|\s)+$|", r"(?:x|x|xy)*z|", r"(?:ab|a(?:b))+$|"])
+def test_a_split_pattern_that_backtracks_catastrophically_is_refused_when_read(tmp_path, hub_document, prefix):
+    """The issue's pattern (which took generate.py past 90 s on 'a' * 34 + 'b'), and others of its kind, before a
+    Qwen pattern that keeps the split covering: refused as the folder is read, naming the file and the pattern."""
+    from test_hf_tokenizer import QWEN_PATTERN
+
+    from llmscratch.text.hf_tokenizer import tokenizer_from_hf
+
+    pattern = prefix + QWEN_PATTERN
+    write(tmp_path / "tokenizer.json", json.dumps(with_split(hub_document, pattern)))
+    with pytest.raises(ValueError, match="backtracks catastrophically") as error:
+        tokenizer_from_hf(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / 'tokenizer.json'}: the split pattern {pattern!r}")
+
+
+def test_generate_reads_no_folder_whose_split_pattern_backtracks(tmp_path, hub_document):
+    """ch03-architecture/generate.py (and the server) load a hub folder with load_model_and_tokenizer."""
+    from llmscratch.model.config import GPTConfig
+    from llmscratch.model.gpt import GPT
+    from llmscratch.model.weights import load_model_and_tokenizer, save_hf
+
+    config = GPTConfig.from_preset("qwen3-0.6b", vocab_size=768, context_length=64, d_model=32, n_layers=1,
+                                   n_heads=2, n_kv_heads=1, head_size=16, d_ff=64)
+    save_hf(GPT(config), tmp_path)
+    write(tmp_path / "tokenizer.json", json.dumps(with_split(hub_document, r"(?:a|a)+$|(?s:.)")))
+    with pytest.raises(ValueError, match=r"tokenizer.json: the split pattern '\(\?:a\|a\)\+\$\|\(\?s:\.\)' backtracks"):
+        load_model_and_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("pattern, text", [
+    (r"\s*\s*\s*x|(?s:.)", " " * 3000 + "!"),  # cubic in a run of spaces: no short text shows it
+    (r"(?:\s*\s*\s*\s*y)|\p{L}+|(?s:.)", "\t" * 2000 + "z"),
+])
+def test_a_split_that_runs_away_on_a_text_stops_with_an_error(pattern, text):
+    tokenizer = BPETokenizer([], pattern=pattern)  # it passes the tries when it is read
+    assert tokenizer.encode("a b") == list(b"a b")
+    with pytest.raises(ValueError, match=rf"the split pattern .* took more than 1\.0 s to split the text "
+                                         rf"\({len(text):,} characters\): it backtracks catastrophically"):
+        tokenizer.encode(text)
+
+
+def test_the_hub_patterns_split_without_a_time_limit():
+    """GPT-2's, Llama 3's and Qwen's patterns split in linear time: no timeout slows their splits (about half)."""
+    from test_hf_tokenizer import QWEN_PATTERN
+
+    from llmscratch.text.checks import LINEAR_PATTERNS
+    from llmscratch.text.tokenizer import GPT2_SPLIT_PATTERN
+
+    assert {GPT2_SPLIT_PATTERN, QWEN_PATTERN, QWEN_PATTERN.replace(r"\p{N}|", r"\p{N}{1,3}|")} == LINEAR_PATTERNS

@@ -19,6 +19,7 @@ from llmscratch.model.checkpoint import export_model, save_checkpoint  # noqa: E
 from llmscratch.model.config import GPTConfig  # noqa: E402
 from llmscratch.model.generate import generate_text  # noqa: E402
 from llmscratch.model.gpt import GPT
+from llmscratch.model.quantize import quantize  # noqa: E402
 from llmscratch.model.weights import load_model_and_tokenizer, save_hf  # noqa: E402
 from llmscratch.text.tokenizer import BPETokenizer  # noqa: E402
 
@@ -153,6 +154,43 @@ def test_bad_flags_are_named(ours, argv, message):
     result = run(folder, *argv)
     assert result.returncode == 2
     assert re.search(message, result.stderr.decode())
+
+
+@pytest.mark.parametrize("max_new_tokens", ["100000", "4097", str(10**12)])
+def test_more_new_tokens_than_64_contexts_is_refused_naming_the_context(ours, max_new_tokens):
+    # The model slides its window past its context without end, every token rerunning a whole window: 100,000
+    # tokens of a 64-token model were accepted without a word.
+    folder, _, _ = ours
+    result = run(folder, "--prompt", PROMPT, "--max-new-tokens", max_new_tokens)
+    assert result.returncode == 2, result.stderr.decode()
+    message = result.stderr.decode()
+    assert f"--max-new-tokens {int(max_new_tokens):,} is more than 64 times the model's context of 64 tokens " \
+           f"(4,096)" in message and "ask for at most 4,096" in message
+
+
+def test_going_past_the_context_is_said_and_still_the_text_of_generate_text(ours):
+    folder, model, tokenizer = ours
+    result = run(folder, "--prompt", PROMPT, "--max-new-tokens", "70", "--temperature", "0", "--ignore-eos")
+    assert result.returncode == 0, result.stderr.decode()
+    n_prompt = len(tokenizer.encode(PROMPT))
+    assert (f"note: {n_prompt} prompt tokens and 70 new ones are more than the model's context of 64: past it each "
+            f"new token reads only the last 64") in result.stderr.decode()
+    assert result.stdout.decode("utf-8") == generate_text(model, tokenizer, PROMPT, 70) + "\n"
+    within = run(folder, "--prompt", PROMPT, "--max-new-tokens", "5", "--temperature", "0")
+    assert within.returncode == 0 and b"note" not in within.stderr, within.stderr.decode()
+
+
+@pytest.mark.parametrize("scheme, dtype, described", [("int4", "float32", "int4 weights (group 16, int8 head)"),
+                                                      ("int8", "bfloat16", "int8 weights")])
+def test_a_quantized_model_is_announced_as_its_scheme_not_its_dtype(ours, tmp_path, scheme, dtype, described):
+    folder, model, tokenizer = ours
+    path = tmp_path / f"{scheme}.safetensors"
+    export_model(quantize(model, scheme, group_size=16), path, tokenizer)
+    result = run(path, "--prompt", PROMPT, "--max-new-tokens", "5", "--temperature", "0", "--dtype", dtype)
+    assert result.returncode == 0, result.stderr.decode()
+    assert f"note: {path} holds {described}; --dtype {dtype} is the precision of the rest" in result.stderr.decode()
+    plain = run(folder, "--prompt", PROMPT, "--max-new-tokens", "5", "--temperature", "0")
+    assert b"holds" not in plain.stderr  # a float model: no note
 
 
 @pytest.mark.slow

@@ -21,11 +21,14 @@ from llmscratch.alignment.grpo import (Group, answer_logprobs, clipped_objective
 from llmscratch.alignment.preference import token_logprobs
 from llmscratch.assets import read_instructions
 from llmscratch.config import ConfigError
+from llmscratch.finetuning.config import FinetuneConfig
+from llmscratch.finetuning.finetune import check_trainable, set_trainable
 from llmscratch.finetuning.instruct import Response, format_prompt
 from llmscratch.model.checkpoint import export_model, model_from_checkpoint
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT
 from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.model.quantize import quantize
 from llmscratch.text.tokenizer import BPETokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ch06-alignment" / "finetune_rl.py"
@@ -296,6 +299,27 @@ def test_the_script_in_test_mode_saves_a_model_its_scores_and_the_pass_at_k_curv
 def test_the_script_names_a_bad_flag(flags, message, tmp_path):
     result = script(*flags, "--out-dir", tmp_path / "out", timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("trainable", ["all", "last-k", "head", "lora"])
+def test_a_quantized_model_is_refused_for_finetuning_whatever_trains(tiny, trainable):
+    # Its integer weights are buffers: "trainable all" trained the embedding and the norms alone, and said "all".
+    for scheme in ("int8", "int4"):
+        quantized = quantize(tiny[0], scheme, group_size=16)
+        for check in (check_trainable, set_trainable):
+            with pytest.raises(ValueError, match=rf"the model is quantized \({scheme} weights.*finetune the float "
+                                                 rf"model it was made from"):
+                check(quantized, FinetuneConfig(trainable=trainable, last_k=1))
+
+
+def test_the_script_refuses_a_quantized_model_before_training(tiny, tmp_path):
+    quantized = tmp_path / "int8.safetensors"
+    export_model(quantize(tiny[0], "int8"), quantized, tiny[1])
+    result = script("--model", quantized, "--out-dir", tmp_path / "rl", "--test-mode", "--no-progress",
+                    "--pass-samples", "0", timeout=120)
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert "error: the model is quantized (int8 weights)" in result.stderr and "Traceback" not in result.stderr
+    assert "trainable" not in result.stdout and not (tmp_path / "rl" / "model.safetensors").exists()
 
 
 def test_the_script_explains_its_flags():

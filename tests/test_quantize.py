@@ -16,9 +16,10 @@ from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate
 from llmscratch.model.gpt import GPT
 from llmscratch.model.quantize import (CHUNK_ROWS, KERNEL_ROWS, SCHEMES, QuantizedLinear, dequantize_int4,
-                                       dequantize_int8, from_word_order, native_dequantize, native_word_product,
-                                       quantize, quantize_int4, quantize_int8, to_word_order, word_product)
-from tests.model_fixtures import randomize
+                                       dequantize_int8, from_word_order, group_sizes, native_dequantize,
+                                       native_word_product, quantize, quantize_int4, quantize_int8, to_word_order,
+                                       word_product)
+from tests.model_fixtures import LATER_SHAPES, randomize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,6 +133,40 @@ def test_int8_logits_are_closer_to_the_model_than_int4(llama):
 def test_bad_settings_are_named(call, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         call()
+
+
+@pytest.mark.parametrize("first, second", [("int8", "int4"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4")])
+def test_a_quantized_model_is_not_quantized_again(tmp_path, first, second):
+    # Its layers are no longer nn.Linear: a second pass found none, kept the first's integers and wrote the
+    # second's settings, a file that could not be loaded. Refused, whether made here or loaded from a file.
+    quantized = quantize(tiny_gpt(True), first, group_size=16)
+    export_model(quantized, tmp_path / "q.safetensors")
+    for model in (quantized, model_from_checkpoint(tmp_path / "q.safetensors")):
+        with pytest.raises(ValueError, match=rf"already quantized \({first} weights.*quantize the float model"):
+            quantize(model, second, group_size=16)
+    half = tiny_gpt(False)  # a model quantized in part, by hand, with no settings recorded
+    half.blocks[0].mlp.fc = QuantizedLinear(half.blocks[0].mlp.fc, first, 16)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(half, second, group_size=16)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_mixture_of_experts_is_refused_by_name_not_labelled_quantized(scheme):
+    # Its experts are stacked parameters, not nn.Linear: they stayed float32 under an int8 or int4 label.
+    model = GPT(GPTConfig(**{**LATER_SHAPES["moe"], "context_length": 16}))
+    with pytest.raises(ValueError, match=r"MoE experts \(blocks\.0\.mlp\) cannot be quantized yet"):
+        quantize(model, scheme, group_size=8)
+    # Qwen3-30B-A3B's design at a tiny size: every layer a mixture, no shared expert
+    qwen3 = GPTConfig.from_preset("qwen3-30b-a3b", vocab_size=101, context_length=16, d_model=32, n_layers=3,
+                                  n_heads=2, n_kv_heads=1, head_size=16, d_ff=32, n_experts=4, experts_per_token=2)
+    with pytest.raises(ValueError, match=r"MoE experts \(blocks\.0\.mlp, blocks\.1\.mlp, blocks\.2\.mlp\)"):
+        quantize(GPT(qwen3), scheme, group_size=8)
+
+
+def test_group_sizes_are_the_even_divisors_every_layer_shares():
+    assert group_sizes(tiny_gpt(True)) == [2, 4, 8, 16, 32]  # inputs of 32 (attention, up) and 64 (down)
+    model = GPT(GPTConfig(vocab_size=97, context_length=32, d_model=48, n_layers=1, n_heads=4, d_ff=96))
+    assert group_sizes(model) == [2, 4, 6, 8, 12, 16, 24, 48]
 
 
 def test_the_head_can_stay_in_float():
@@ -379,6 +414,64 @@ def test_a_file_whose_integer_weights_became_floats_is_refused(tmp_path):
     write_safetensors(path, tensors, {k: v for k, v in metadata.items() if k != CHECKSUM_KEY})
     with pytest.raises(ValueError, match=r"blocks\.1\.attn\.qkv\.qweight: the file holds torch\.float32 values, "
                                          r"expected torch\.int8"):
+        model_from_checkpoint(path)
+
+
+def rewrite(path: Path, quantization=None, **tensors: torch.Tensor) -> None:
+    """Change a model export's quantization metadata (a string: as it is; else as JSON) or some of its tensors."""
+    metadata, stored = read_safetensors(path)
+    metadata = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+    if quantization is not None:
+        metadata["quantization"] = quantization if isinstance(quantization, str) else json.dumps(quantization)
+    write_safetensors(path, {**stored, **{k.replace("__", "."): v for k, v in tensors.items()}}, metadata)
+
+
+INT4 = {"scheme": "int4", "group_size": 16, "head": True}
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ("{int4", r"its metadata 'quantization' is not JSON"),
+    ('"int4"', r"its metadata 'quantization' should be a JSON object, got str"),
+    ("[1, 2]", r"its metadata 'quantization' should be a JSON object, got list"),
+    ("null", r"its metadata 'quantization' should be a JSON object, got NoneType"),
+    ({**INT4, "scheme": "int3"}, r"quantization scheme 'int3': expected one of \['int4', 'int8'\]"),
+    ({**INT4, "scheme": ["int4"]}, r"quantization scheme \['int4'\]: expected one of"),
+    ({**INT4, "scheme": None}, r"quantization scheme None: expected one of"),
+    ({**INT4, "group_size": "16"}, r"quantization group_size '16': expected an even integer"),
+    ({**INT4, "group_size": -16}, r"quantization group_size -16: expected an even integer"),
+    ({**INT4, "group_size": 0}, r"quantization group_size 0: expected an even integer"),
+    ({**INT4, "group_size": 16.0}, r"quantization group_size 16\.0: expected an even integer"),
+    ({**INT4, "group_size": True}, r"quantization group_size True: expected an even integer"),
+    ({**INT4, "group_size": 24}, r"group_size 24 does not divide the layer's 32 input features"),
+    ({**INT4, "group_size": 10**9}, r"group_size 1000000000 does not divide"),
+    ({**INT4, "scheme": "int8"}, r"quantization group_size 16: expected null for int8"),
+    ({**INT4, "head": "yes"}, r"quantization head 'yes': expected true or false"),
+    ({**INT4, "head": 1}, r"quantization head 1: expected true or false"),
+    ({"scheme": "int4", "group_size": 16}, r"quantization field\(s\) \['head'\] missing or unknown"),
+    ({**INT4, "bits": 4}, r"quantization field\(s\) \['bits'\] missing or unknown"),
+])
+def test_quantization_metadata_of_the_wrong_type_is_named_with_its_file(tmp_path, quantization, message):
+    path = tmp_path / "q.safetensors"
+    export_model(quantize(tiny_gpt(True), "int4", group_size=16), path)
+    rewrite(path, quantization)
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/q\.safetensors: .*{message}") as caught:
+        model_from_checkpoint(path)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name, make, message", [
+    ("blocks.0.mlp.up.qweight", lambda t: t[:, :-4], r"shape \(64, 12\), expected \(64, 16\)"),
+    ("blocks.1.attn.qkv.scales", lambda t: t[:-1], r"shape \(63, 2\), expected \(64, 2\)"),
+    ("lm_head.scales", lambda t: t[:, None], r"shape \(97, 1\), expected \(97,\)"),
+    ("blocks.0.mlp.down.qweight", lambda t: t.view(torch.int8), r"holds torch\.int8 values, expected torch\.uint8"),
+    ("blocks.0.attn.out_proj.scales", lambda t: t.to(torch.int32), r"holds torch\.int32 values, expected floating"),
+])
+def test_quantized_tensors_of_the_wrong_shape_or_dtype_are_named_with_their_file(tmp_path, name, make, message):
+    path = tmp_path / "q.safetensors"
+    export_model(quantize(tiny_gpt(True), "int4", group_size=16), path)
+    _, stored = read_safetensors(path)
+    rewrite(path, **{name.replace(".", "__"): make(stored[name]).contiguous()})
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/q\.safetensors: {name.replace('.', '[.]')}: .*{message}"):
         model_from_checkpoint(path)
 
 

@@ -276,7 +276,10 @@ def test_serve_py_serves_with_a_key_from_the_environment_until_stopped():
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
-    assert "serving base (5.8M parameters, float32, cpu; 2 API key(s); the instruction template)" in output
+    # the KV cache's bytes: 4 slots (--max-slots) x 256 positions x 6 blocks x (keys + values) x 4 kv heads x 32 widths
+    # x 4 bytes
+    cache = f"KV cache {4 * 256 * 6 * 2 * 4 * 32 * 4 / 2**20:.1f} MiB (4 slots x 256 positions, float32)"
+    assert f"serving base (5.8M parameters, float32, cpu; {cache}; 2 API key(s); the instruction template)" in output
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -16,6 +16,9 @@ is the same whoever else runs: see RESULTS.md for what that costs.
 
 One thread runs the steps (``start``/``stop``, or ``with engine:``); ``submit`` may be called from
 any thread, and each request's events go to its ``emit`` callback, from the engine's thread.
+
+The cache is allocated whole at start: ``cache_bytes`` says how much, and an engine whose cache would
+take more than ``CACHE_SHARE`` of the memory free on the model's device is refused before allocating.
 """
 
 import codecs
@@ -29,11 +32,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from llmscratch.device import available_memory
 from llmscratch.model.checks import check_sampling
 from llmscratch.model.generate import sample_next_token
 from llmscratch.model.gpt import GPT
+from llmscratch.training.memory import format_bytes
 
 BATCH_SHAPES = ("occupied", "fixed")
+# The most of the memory free at start (the weights already loaded) that the cache may take: the rest is for
+# each step's work, where a batched prefill writes its prompts into a scratch cache of their own (as large as
+# the cache itself when every slot is admitted at once with a long prompt) and computes their logits.
+CACHE_SHARE = 0.5
 
 
 class QueueFull(Exception):
@@ -188,6 +197,11 @@ class Engine:
             raise ValueError(f"max_slots and max_waiting must be at least 1; got {max_slots} and {max_waiting}")
         if batch_shape not in BATCH_SHAPES:
             raise ValueError(f"batch_shape must be one of {BATCH_SHAPES}, got {batch_shape!r}")
+        device = model.token_embedding.weight.device
+        self.cache_bytes = kv_cache_bytes(model, max_slots, model.config.context_length)
+        check_cache_fits(model, max_slots, self.cache_bytes, available_memory(device))
+        self.cache_description = (f"KV cache {format_bytes(self.cache_bytes)} ({max_slots} slots x "
+                                  f"{model.config.context_length:,} positions, {_dtype_name(model)})")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eot_token
@@ -197,7 +211,6 @@ class Engine:
         self.batch_shape = batch_shape
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_waiting)
         self.slots: list[Request | None] = [None] * max_slots
-        device = model.token_embedding.weight.device
         self.caches = model.make_kv_caches(max_slots, self.context_length)
         self.tokens = torch.zeros(max_slots, 1, dtype=torch.long, device=device)  # (S, 1): each row's last token
         self.positions = torch.zeros(max_slots, 1, dtype=torch.long, device=device)  # (S, 1): where it goes
@@ -403,6 +416,39 @@ class Engine:
         self.positions[row] = 0
         request.finish(reason, error)
         self.stats.finished[reason] += 1
+
+
+def kv_cache_bytes(model: GPT, slots: int, positions: int) -> int:
+    """The bytes of ``model.make_kv_caches(slots, positions)``, known before allocating: keys and values, every block.
+
+    Every layer keeps all ``positions``, sliding-window layers too (the cache does not trim them yet).
+    """
+    weight = model.token_embedding.weight
+    kv_heads = sum(getattr(getattr(block, "attn", None), "n_kv_heads", model.config.kv_heads) for block in model.blocks)
+    return 2 * slots * positions * kv_heads * model.config.head_dim * weight.element_size()
+
+
+def check_cache_fits(model: GPT, slots: int, cache_bytes: int, free: int | None) -> None:
+    """ValueError, naming the bytes and what reduces them, where the cache would take more than CACHE_SHARE of
+    ``free`` bytes (None: unknown, not checked)."""
+    if free is None or cache_bytes <= CACHE_SHARE * free:
+        return
+    per_slot = cache_bytes // slots
+    fit = int(CACHE_SHARE * free // per_slot)
+    remedies = [f"lower --max-slots ({fit:,} fit)"] if fit else []
+    if model.token_embedding.weight.element_size() > 2:
+        remedies.append("use --dtype bfloat16 (half the bytes)")
+    remedies += [] if fit else ["use a device with more memory"]
+    device = model.token_embedding.weight.device
+    raise ValueError(f"the KV cache of {slots:,} slots x {model.config.context_length:,} positions "
+                     f"({_dtype_name(model)}) needs {format_bytes(cache_bytes)} ({cache_bytes:,} bytes, "
+                     f"{format_bytes(per_slot)} a slot), more than {CACHE_SHARE:.0%} of the {format_bytes(free)} free "
+                     f"on {device} (the rest is for each step's work): {'' if fit else 'not one slot fits; '}"
+                     f"{' or '.join(remedies)}")
+
+
+def _dtype_name(model: GPT) -> str:
+    return str(model.token_embedding.weight.dtype).removeprefix("torch.")
 
 
 class EngineStats:

@@ -5,17 +5,24 @@ events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET
 (Prometheus text) and the chat page at ``/``. The requests and answers are the OpenAI API's, so
 its official clients, curl scripts and chat front ends written for it work unchanged.
 
-Guards at the door: API keys (``Authorization: Bearer KEY``) when any are set; a per-key rate
-limit (429 with Retry-After); the engine's bounded queue (503 at once when full); requests
-checked before they reach the engine (400 / 422 naming the field; 404 for a model not served).
-A client that goes away has its request cancelled: the engine frees its row at its next step.
+Guards at the door (``Guard``), from the headers alone, before a byte of the body is read: the Host
+header on a keyless server (DNS rebinding), API keys (``Authorization: Bearer KEY``) when any are set,
+with wrong keys throttled per address; a rate limit per key (per address without keys; 429 with
+Retry-After); a cap on the body's size (413) and a deadline to send it (408). Then the engine's bounded
+queue (503 at once when full), and requests checked before they reach the engine (400 / 422 naming the
+field; 404 for a model not served). Parsing, tokenising and chat templates run in threads, so no request
+holds up the event loop. A client that goes away has its request cancelled: the engine frees its row at
+its next step. ``make_server`` runs the app under uvicorn with the same guards on the connection (a
+deadline for the request's headers, forwarding headers only from named proxies, a grace period at
+shutdown).
 """
 
 import asyncio
-import collections
-import hmac
+import base64
+import hashlib
 import importlib.resources
 import json
+import re
 import threading
 import time
 import uuid
@@ -24,30 +31,19 @@ from contextlib import asynccontextmanager
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from llmscratch.deployment.engine import Engine, Event, QueueFull, SamplingParams
+from llmscratch.deployment.guard import MAX_BODY_BYTES, READ_TIMEOUT, APIError, Guard, RateLimit, host_names, http_error
 from llmscratch.finetuning.instruct import TEMPLATE_MARKERS, format_chat
-from llmscratch.model.generate import prompt_ids as text_prompt_ids, with_bos
+from llmscratch.model.generate import prompt_ids as text_prompt_ids
+from llmscratch.model.generate import with_bos
 from llmscratch.text.chat_template import ChatTemplate
 
 CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new section has finished its answer
-
-
-class APIError(Exception):
-    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 # --------------------------------------------------------------------------- the requests
@@ -99,9 +95,29 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content as OpenAI's clients send it: {"type": "text", "text": ...}."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
+    content: str | list[ContentPart]
+
+    def plain(self, index: int) -> dict[str, str]:
+        """{"role", "content"} as the templates take it: developer as system, text parts joined by newlines."""
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, str):
+            return {"role": role, "content": self.content}
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                what = f"of type {part.type!r}" if part.type != "text" else "of type 'text' without a 'text' string"
+                raise APIError(400, f"messages[{index}].content[{j}]: a content part {what} is not supported; "
+                                    f"this server takes text parts only", "unsupported", f"messages[{index}].content")
+        return {"role": role, "content": "\n".join(part.text for part in self.content)}
 
 
 class ChatRequest(_Sampling):
@@ -109,40 +125,38 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
 
 
-# --------------------------------------------------------------------------- keys and limits
-class RateLimit:
-    """At most ``per_minute`` requests per key in any 60 seconds (a sliding window of their times)."""
-
-    def __init__(self, per_minute: int):
-        self.per_minute = per_minute
-        self.times: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
-        self.lock = threading.Lock()
-
-    def check(self, key: str) -> None:
-        now = time.monotonic()
-        with self.lock:
-            times = self.times[key]
-            while times and times[0] <= now - 60.0:
-                times.popleft()
-            if len(times) >= self.per_minute:
-                retry = max(1, int(times[0] + 60.0 - now + 0.999))
-                raise APIError(429, f"rate limit of {self.per_minute} requests per minute reached; retry in "
-                                    f"{retry} s", "rate_limit_exceeded", headers={"Retry-After": str(retry)})
-            times.append(now)
+FIELD_NAMES = frozenset().union(*(model.model_fields for model in (CompletionRequest, ChatRequest, ChatMessage,
+                                                                   ContentPart)))
 
 
-def bearer_key(request: Request, api_keys: Sequence[str]) -> str:
-    """The caller's key (or its address when the server has no keys); 401 unless it is one of api_keys."""
-    if not api_keys:
-        return request.client.host if request.client else "anonymous"
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    given = key.strip().encode()  # bytes: compare_digest refuses str with non-ASCII characters
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k.encode()) for k in api_keys):
-        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
-                       "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    return key.strip()
+def parse_body(raw: bytes, kind: type[_Sampling]) -> _Sampling:
+    """The request's body as ``kind``; APIError 400 if it is not a JSON object, 422 naming the first bad field.
+
+    Runs in a thread: parsing takes time in proportion to the body.
+    """
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the body is not valid UTF-8 (byte {err.start})", "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply", "invalid_json") from None
+    except ValueError as err:
+        raise APIError(400, f"the body is not valid JSON: {err}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object, sent with 'Content-Type: application/json'",
+                       "invalid_json")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as err:
+        # Of a union's branches (str | list[int]) pydantic reports each; the one that went deepest is what the
+        # client meant. Its location holds the branch names too ("list[int]"): the field's name leaves them out.
+        first = max(err.errors(), key=lambda error: len(error["loc"]))
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]
+                        if isinstance(part, int) or part in FIELD_NAMES).lstrip(".")
+        raise APIError(422, f"{field}: {first['msg']}", "invalid_value", field) from None
 
 
+# --------------------------------------------------------------------------- the engine's events
 class Mailbox:
     """Events from the engine's thread to the event loop's queues, one wake-up of the loop for all of a step's.
 
@@ -172,17 +186,32 @@ class Mailbox:
 # --------------------------------------------------------------------------- the app
 def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
                requests_per_minute: int | None = None, chat_stop: str = CHAT_STOP,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
+               chat_template: ChatTemplate | None = None, hosts: Sequence[str] = (),
+               max_body_bytes: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT) -> FastAPI:
     """The server's app; it starts the engine's thread when it starts serving and stops it at shutdown.
 
     model_name: what clients pass as "model" (and what /v1/models lists). api_keys: empty serves
     anyone who can connect (keep the host 127.0.0.1 then). requests_per_minute: per key, None: no limit.
     chat_template: a Hugging Face model's own chat format (its stop texts end an answer); None: ch05's
-    instruction template, whose next section (chat_stop) ends an answer.
+    instruction template, whose next section (chat_stop) ends an answer. hosts: the names a keyless
+    server answers to besides loopback's (the address it listens on). max_body_bytes, read_timeout: a
+    request's body is refused past this size (413) or when it takes longer to arrive (408).
     """
     limit = RateLimit(requests_per_minute) if requests_per_minute else None
     tokenizer = engine.tokenizer
     created = int(time.time())
+    # The most UTF-8 bytes a prompt can have and still fit the context: each token stands for at most this many
+    # (4: a character the vocabulary lacks; 3 times as many where normalizing first may merge characters).
+    vocab = getattr(tokenizer, "vocab", None)  # id -> bytes (BPETokenizer, SentencePieceBPE); else no such bound
+    token_bytes = max([4, *map(len, vocab.values()), *map(len, getattr(tokenizer, "special_tokens", ()))]
+                      ) if isinstance(vocab, dict) else float("inf")
+    max_prompt_bytes = token_bytes * engine.context_length * (3 if getattr(tokenizer, "normalization", None) else 1)
+    stopping = threading.Event()
+
+    def end_answers() -> None:
+        """Refuse new requests and end the running ones (each with an error event): the server is stopping."""
+        stopping.set()
+        engine.stop()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -192,36 +221,40 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         finally:
             engine.stop()
 
-    app = FastAPI(title="llmscratch", lifespan=lifespan)
+    docs = {} if not api_keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # no keyless door
+    app = FastAPI(title="llmscratch", lifespan=lifespan, **docs)
+    app.state.end_answers = end_answers  # make_server's shutdown calls it once the grace period is over
+    app.add_middleware(Guard, api_keys=api_keys, hosts=host_names(hosts), limit=limit, max_body_bytes=max_body_bytes,
+                       read_timeout=read_timeout)
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
         return err.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, err: RequestValidationError):
-        first = err.errors()[0]
-        if first.get("type") == "json_invalid":
-            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
-                            "invalid_json").response()
-        field = ".".join(str(part) for part in first.get("loc", ())[1:])
-        if not field:  # the body as a whole: not a JSON object (a form, or JSON sent without its content type)
-            return APIError(400, "the body must be a JSON object, sent with 'Content-Type: application/json'",
-                            "invalid_json").response()
-        return APIError(422, f"{field}: {first['msg']}", "invalid_value", field).response()
+    @app.exception_handler(HTTPException)
+    async def starlette_error(request: Request, err: HTTPException):
+        return http_error(request, err)
 
-    def admit(request: Request, body: _Sampling) -> None:
-        key = bearer_key(request, api_keys)
+    async def parse(request: Request, kind: type[_Sampling]):
+        body = await run_in_threadpool(parse_body, await request.body(), kind)
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} is not served here; this server serves {model_name!r}",
                            "model_not_found", "model")
         body.check_supported()
-        if limit is not None:
-            limit.check(key)
+        return body
+
+    def fits(size: int, unit: str, param: str) -> None:
+        """Refuse at once a prompt that cannot fit the context, before any work in proportion to it."""
+        most = max_prompt_bytes if unit == "bytes" else engine.context_length
+        if size > most:
+            raise APIError(400, f"this model's context is {engine.context_length} tokens; {param} is {size} "
+                                f"{unit} long, more than can fit", "context_length_exceeded", param)
 
     mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
 
     def start(prompt_ids: list[int], params: SamplingParams) -> tuple[asyncio.Queue, object]:
+        if stopping.is_set():
+            raise APIError(503, "the server is shutting down; retry shortly", "server_shutting_down")
         loop = asyncio.get_running_loop()
         mailbox = mailboxes.setdefault(loop, Mailbox(loop))
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -240,26 +273,39 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         """max_tokens as asked, or (chat, unset) all the room the context leaves."""
         return asked if asked is not None else max(1, engine.context_length - len(prompt_ids))
 
+    def completion_ids(body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, list):
+            fits(len(body.prompt), "tokens", "prompt")
+            return body.prompt
+        fits(len(body.prompt.encode("utf-8", "surrogatepass")), "bytes", "prompt")
+        try:
+            return text_prompt_ids(tokenizer, body.prompt)
+        except ValueError as err:  # text the tokenizer cannot take (a lone surrogate)
+            raise APIError(400, f"prompt: {err}", "invalid_value", "prompt") from None
+
+    def chat_ids(body: ChatRequest) -> list[int]:
+        messages = [message.plain(i) for i, message in enumerate(body.messages)]
+        fits(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "bytes", "messages")
+        try:
+            if chat_template is None:
+                return with_bos(tokenizer, tokenizer.encode(format_chat(messages), disallowed_special=()))
+            return chat_template.encode(messages, tokenizer)
+        except ValueError as err:  # a conversation the template refuses, or a template that failed on it
+            raise APIError(400, str(err), "invalid_value", "messages") from None
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        admit(request, body)
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
         if body.echo or (body.best_of or 1) > 1:
             raise APIError(400, "echo and best_of > 1 are not supported", "unsupported")
-        prompt_ids = body.prompt if isinstance(body.prompt, list) else text_prompt_ids(tokenizer, body.prompt)
+        prompt_ids = await run_in_threadpool(completion_ids, body)
         params = body.sampling(room(prompt_ids, body.max_tokens))
         return await answer(request, body, "text_completion", *start(prompt_ids, params))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        admit(request, body)
-        messages = [message.model_dump() for message in body.messages]
-        try:
-            if chat_template is None:
-                prompt_ids = with_bos(tokenizer, tokenizer.encode(format_chat(messages), disallowed_special=()))
-            else:
-                prompt_ids = chat_template.encode(messages, tokenizer)
-        except ValueError as err:
-            raise APIError(400, str(err), "invalid_value", "messages") from None
+    async def chat_completions(request: Request):
+        body = await parse(request, ChatRequest)
+        prompt_ids = await run_in_threadpool(chat_ids, body)
         stops = (chat_stop,) if chat_template is None else chat_template.stops
         params = body.sampling(room(prompt_ids, body.max_completion_tokens or body.max_tokens), stops)
         return await answer(request, body, "chat.completion", *start(prompt_ids, params))
@@ -348,8 +394,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
                 handle.cancel()
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        bearer_key(request, api_keys)
+    async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "llmscratch"}]}
 
@@ -361,11 +406,26 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
     async def metrics():
         return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
 
+    page = (importlib.resources.files("llmscratch.deployment") / "chat.html").read_text("utf-8")
+    page_headers = {"Content-Security-Policy": page_policy(page), "X-Frame-Options": "DENY",
+                    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():
-        return HTMLResponse((importlib.resources.files("llmscratch.deployment") / "chat.html").read_text("utf-8"))
+        return HTMLResponse(page, headers=page_headers)
 
     return app
+
+
+def page_policy(page: str) -> str:
+    """The chat page's Content-Security-Policy: its own inline script and style (by their hashes) and requests to
+    this server, nothing else; no frame may hold it (clickjacking)."""
+    def hashes(tag: str) -> str:
+        found = re.findall(f"<{tag}>(.*?)</{tag}>", page, flags=re.DOTALL)
+        digests = (base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() for text in found)
+        return " ".join(f"'sha256-{digest}'" for digest in digests)
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; connect-src 'self'; "
+            f"img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 async def disconnected(request: Request) -> None:

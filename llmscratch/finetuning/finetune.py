@@ -19,6 +19,7 @@ from llmscratch.finetuning.config import FinetuneConfig
 from llmscratch.finetuning.lora import apply_lora, lora_layers, lora_targets, merge_lora, save_adapters
 from llmscratch.interrupt import StopRequest, exit_status, stop_on_signals
 from llmscratch.model.gpt import GPT, count_parameters
+from llmscratch.model.quantize import describe
 from llmscratch.model.weights import load_model_and_tokenizer
 from llmscratch.progress import progress_bar
 from llmscratch.runfolder import present, save_or_rescue
@@ -83,8 +84,12 @@ def set_trainable(model: GPT, config: FinetuneConfig, always: Sequence[nn.Module
 
 
 def check_trainable(model: GPT, config: FinetuneConfig) -> None:
-    """ValueError if ``config.trainable`` cannot apply to ``model`` (too many blocks, a LoRA rank too large):
-    ``set_trainable``'s checks, for a script to make as soon as the model is loaded."""
+    """ValueError if ``config.trainable`` cannot apply to ``model`` (a quantized model, too many blocks, a LoRA
+    rank too large): ``set_trainable``'s checks, for a script to make as soon as the model is loaded."""
+    if getattr(model, "quantization", None) is not None:  # its integer weights are buffers: only norms would train
+        raise ValueError(f"the model is quantized ({describe(model.quantization)}): its integer weights cannot be "
+                         f"trained, and LoRA wraps float linear layers only; finetune the float model it was made "
+                         f"from, then quantize the result (ch07-deployment/quantize.py)")
     if config.trainable == "last-k" and config.last_k > len(model.blocks):
         raise ValueError(f"last_k={config.last_k} is more than the model's {len(model.blocks)} blocks")
     if config.trainable == "lora":

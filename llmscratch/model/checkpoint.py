@@ -25,7 +25,7 @@ from torch import nn
 from llmscratch.files import check_weights, check_zip_checksums, read_safetensors, write_atomically, write_safetensors
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT, unwrap
-from llmscratch.model.quantize import quantize
+from llmscratch.model.quantize import SCHEMES, quantize
 from llmscratch.text.hf_tokenizer import tokenizer_from_json
 from llmscratch.text.sentencepiece import SentencePieceBPE
 from llmscratch.text.tokenizer import BPETokenizer
@@ -171,9 +171,9 @@ def model_from_checkpoint(path: str | os.PathLike, map_location: str | torch.dev
         if not path.is_file():
             raise ValueError(f"no model export at {path}")
         metadata, tensors = _read_export(path)
-        quantization = json.loads(metadata["quantization"]) if "quantization" in metadata else None
+        quantization = _metadata_object(metadata, "quantization", path) if "quantization" in metadata else None
         check_weights({k: v for k, v in tensors.items() if not (quantization and k.endswith(".qweight"))}, path)
-        config = config_from_dict(json.loads(metadata["model_config"]), str(path))
+        config = config_from_dict(_metadata_object(metadata, "model_config", path), str(path))
         model = GPT(config)
         if quantization is not None:  # the quantized layers' shapes and dtypes, then the file's values in them
             model = quantized_like(model, quantization, tensors, path)
@@ -197,18 +197,56 @@ def _quantized_part(name: str, quantization: dict[str, Any] | None) -> bool:
     return quantization is not None and name.rpartition(".")[2] in ("qweight", "scales")
 
 
+def _metadata_object(metadata: dict[str, str], key: str, path: Path) -> dict[str, Any]:
+    """The JSON object a model export's metadata entry ``key`` holds; ValueError naming the file and the entry."""
+    if key not in metadata:
+        raise ValueError(f"{path}: its metadata has no {key!r} entry (every model export records one)")
+    try:
+        value = json.loads(metadata[key])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: its metadata {key!r} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: its metadata {key!r} should be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_quantization(quantization: dict[str, Any], source: str | os.PathLike) -> None:
+    """ValueError naming the field of a file's quantization settings (``quantize``'s ``.quantization``) that
+    is missing, unknown or of the wrong type; whether a group size fits the model is ``quantize``'s check."""
+    fields = {"scheme", "group_size", "head"}
+    if problem := sorted(set(quantization) ^ fields):
+        raise ValueError(f"{source}: quantization field(s) {problem} missing or unknown; expected {sorted(fields)}")
+    scheme, group_size, head = (quantization[key] for key in ("scheme", "group_size", "head"))
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(f"{source}: quantization scheme {scheme!r}: expected one of {sorted(SCHEMES)}")
+    if scheme == "int4" and (type(group_size) is not int or group_size < 2 or group_size % 2):
+        raise ValueError(f"{source}: quantization group_size {group_size!r}: expected an even integer of at least 2 "
+                         f"(int4 inputs per scale)")
+    if scheme != "int4" and group_size is not None:
+        raise ValueError(f"{source}: quantization group_size {group_size!r}: expected null for {scheme} (one scale "
+                         f"per row)")
+    if not isinstance(head, bool):
+        raise ValueError(f"{source}: quantization head {head!r}: expected true or false")
+
+
 def quantized_like(model: GPT, quantization: dict[str, Any], tensors: dict[str, torch.Tensor],
                    source: str | os.PathLike) -> GPT:
-    """``model`` quantized with a file's settings, its integer weights' dtypes checked against the file's."""
-    settings = {key: quantization.get(key) for key in ("scheme", "group_size", "head")}
+    """``model`` quantized with a file's settings, its integer weights and scales checked against the file's."""
+    check_quantization(quantization, source)
     try:
-        model = quantize(model, settings["scheme"], settings["group_size"] or 64, bool(settings["head"]))
+        model = quantize(model, quantization["scheme"], quantization["group_size"] or 64, quantization["head"])
     except ValueError as err:
         raise ValueError(f"{source}: its quantization {quantization} does not fit its model: {err}") from None
     for name, buffer in model.state_dict().items():
-        if name.endswith(".qweight") and name in tensors and tensors[name].dtype != buffer.dtype:
-            raise ValueError(f"{source}: {name}: the file holds {tensors[name].dtype} values, expected {buffer.dtype} "
-                             f"({settings['scheme']} weights)")
+        if not _quantized_part(name, quantization) or name not in tensors:
+            continue  # a missing tensor is named by load_model_state
+        stored = tensors[name]
+        if name.endswith(".qweight") and stored.dtype != buffer.dtype:
+            raise ValueError(f"{source}: {name}: the file holds {stored.dtype} values, expected {buffer.dtype} "
+                             f"({quantization['scheme']} weights)")
+        if stored.shape != buffer.shape:
+            raise ValueError(f"{source}: {name}: the file holds shape {tuple(stored.shape)}, expected "
+                             f"{tuple(buffer.shape)} ({quantization['scheme']} of this model)")
     return model
 
 

@@ -3,12 +3,15 @@
 The modules that compute (attention, RoPE, the model, the decoding loop) read like the notebooks that
 build them: they call one of these at their door (a constructor, ``generate``) and trust their
 arguments after that. Each check is a ValueError naming the bad value and what was expected.
+A Hugging Face ``config.json`` is read through ``ConfigFields``, which names the file and the field.
 """
+
+import math
 
 import torch
 
-__all__ = ["check_attention", "check_compile", "check_generation", "check_heads", "check_kv_cache", "check_prompt",
-           "check_request", "check_rope", "check_sampling"]
+__all__ = ["ConfigFields", "check_attention", "check_compile", "check_generation", "check_heads", "check_kv_cache",
+           "check_prompt", "check_request", "check_rope", "check_sampling"]
 
 
 # --------------------------------------------------------------------------- the model's parts
@@ -106,3 +109,97 @@ def check_generation(model, idx: torch.Tensor, max_new_tokens: int, *, temperatu
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be at least 1, got {samples_per_prompt}")
     return idx
+
+
+# --------------------------------------------------------------------------- a Hugging Face config.json
+# Ceilings far above any real model, low enough that a loop over the layers cannot run away before the weights
+# are compared with the config (llmscratch.model.weights.load_hf checks every size against the tensors).
+MAX_COUNT = 1 << 16  # layers, heads, experts
+MAX_SIZE = (1 << 31) - 1  # widths, vocabulary, positions
+REQUIRED = object()  # the default of a field the family cannot do without
+
+
+class ConfigFields:
+    """A Hugging Face ``config.json`` (``hf``, read from ``source``) taken one field at a time, each checked for
+    its kind and range: a ValueError names the file, the field, what it must be and what it holds. A field that
+    is absent or null takes its default."""
+
+    def __init__(self, hf: dict, source: str, family: str, prefix: str = ""):
+        self.hf, self.source, self.family, self.prefix = hf, source, family, prefix
+
+    def within(self, name: str) -> "ConfigFields":
+        """The fields of the object in field ``name`` (an empty one if absent), named ``name.field``."""
+        return ConfigFields(self.mapping(name), self.source, self.family, f"{self.prefix}{name}.")
+
+    def problem(self, name: str, must: str, value=None) -> ValueError:
+        value = self.hf.get(name) if value is None else value
+        return ValueError(f"{self.source}: {self.prefix}{name} must be {must}, got {value!r}")
+
+    def has(self, name: str) -> bool:
+        return self.hf.get(name) is not None
+
+    def _get(self, name: str, default):
+        value = self.hf.get(name)
+        if value is None and default is REQUIRED:
+            raise ValueError(f"{self.source} has no {self.prefix + name!r} entry, which a {self.family} config needs")
+        return default if value is None else value
+
+    def count(self, name: str, default=REQUIRED, low: int = 1, high: int = MAX_COUNT) -> int:
+        """An integer in [low, high]: layers, heads, experts (``size`` for widths)."""
+        value = self._get(name, default)
+        if value is not None and (not _is_int(value) or not low <= value <= high):
+            raise self.problem(name, f"an integer from {low} to {high:,}", value)
+        return value
+
+    def size(self, name: str, default=REQUIRED) -> int:
+        """A width, a vocabulary or a number of positions: a positive integer."""
+        return self.count(name, default, high=MAX_SIZE)
+
+    def number(self, name: str, default=REQUIRED, zero: bool = False) -> float:
+        """A finite number above 0 (at least 0 with ``zero``)."""
+        value = self._get(name, default)
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or value < 0 or (value == 0 and not zero):
+            raise self.problem(name, f"a finite number {'>= 0' if zero else 'above 0'}", value)
+        return float(value)
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise self.problem(name, "true or false", value)
+        return value
+
+    def text(self, name: str, default: str | None = None) -> str | None:
+        value = self._get(name, default)
+        if value is not None and not isinstance(value, str):
+            raise self.problem(name, "a string", value)
+        return value
+
+    def mapping(self, name: str) -> dict:
+        value = self._get(name, {})
+        if not isinstance(value, dict):
+            raise self.problem(name, "an object", value)
+        return value
+
+    def indices(self, name: str, n_layers: int) -> list[int]:
+        """A list of layer indices below ``n_layers``."""
+        value = self._get(name, [])
+        if not isinstance(value, list) or not all(_is_int(i) and 0 <= i < n_layers for i in value):
+            raise self.problem(name, f"a list of layer indices from 0 to {n_layers - 1}", value)
+        return value
+
+    def choices(self, name: str, n_layers: int, allowed: tuple[str, ...]) -> list[str] | None:
+        """A list of one of ``allowed`` per layer, or None."""
+        value = self._get(name, None)
+        if value is not None and (not isinstance(value, list) or len(value) != n_layers
+                                  or not all(isinstance(v, str) and v in allowed for v in value)):
+            raise self.problem(name, f"a list of {n_layers} (one per layer) of {list(allowed)}", value)
+        return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+

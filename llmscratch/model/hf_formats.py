@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from llmscratch.model.checks import ConfigFields
 from llmscratch.model.config import GPTConfig
 
 __all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "family_of", "hf_to_ours", "language_model_tensors",
-           "ours_to_hf"]
+           "ours_to_hf", "size_fields"]
 
 FAMILIES = ("gpt2", "llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -43,140 +44,186 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 # --------------------------------------------------------------------------- configs
-def config_from_hf(hf: dict) -> GPTConfig:
-    """Our GPTConfig for a Hugging Face ``config.json`` of one of the ``FAMILIES``."""
+def config_from_hf(hf: dict, source: str = "config.json") -> GPTConfig:
+    """Our GPTConfig for a Hugging Face ``config.json`` of one of the ``FAMILIES`` (read from ``source``).
+
+    Every field goes through one checked reader (``llmscratch.model.checks.ConfigFields``): a value of the wrong
+    kind or out of range is a ValueError naming ``source`` and the field. The sizes are checked against the
+    weights' shapes by ``weights.load_hf``, before the model is built.
+    """
+    fields = _fields(hf, source)
+    if fields.family == "gpt2":
+        return _make(_gpt2_config(fields), fields)
+    return _make(_decoder_config(fields, fields.family), fields)
+
+
+def _fields(hf: dict, source: str) -> ConfigFields:
+    """The reader of ``hf``'s language model: the config itself, or a multimodal Gemma 3's ``text_config``."""
     family = hf.get("model_type")
+    prefix = ""
     if family == "gemma3":  # the multimodal Gemma 3 (4B and larger): its language model is a gemma3_text
         if not isinstance(hf.get("text_config"), dict):
-            raise ValueError("a model_type 'gemma3' config needs its 'text_config' (the language model's)")
-        hf, family = {**hf["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
+            raise ValueError(f"{source}: a model_type 'gemma3' config needs its 'text_config' (the language model's)")
+        hf, family, prefix = hf["text_config"], "gemma3_text", "text_config."
     if family not in FAMILIES:
-        raise ValueError(f"model_type {family!r} is not supported; expected one of {list(FAMILIES)}")
+        raise ValueError(f"{source}: model_type {family!r} is not supported; expected one of {list(FAMILIES)}")
+    return ConfigFields(hf, source, family, prefix)
+
+
+def size_fields(hf: dict) -> dict[str, int]:
+    """The integer fields of a ``config.json`` that set tensor shapes, under their names in the file (a multimodal
+    Gemma 3's as ``text_config.vocab_size``, ...): what a message about a shape names."""
+    fields = _fields(hf, "config.json")
+    return {fields.prefix + name: fields.hf[name] for name in _SIZE_FIELDS
+            if isinstance(fields.hf.get(name), int) and not isinstance(fields.hf[name], bool)}
+
+
+_SIZE_FIELDS = ("vocab_size", "n_positions", "max_position_embeddings", "n_embd", "hidden_size", "n_layer",
+                "num_hidden_layers", "n_head", "num_attention_heads", "num_key_value_heads", "head_dim", "n_inner",
+                "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts")
+
+
+def _make(settings: dict, fields: ConfigFields) -> GPTConfig:
+    """The GPTConfig of ``settings``; what it refuses (a combination the reader does not check) names the file."""
     try:
-        return _gpt2_config(hf) if family == "gpt2" else _decoder_config(hf, family)
-    except KeyError as err:
-        raise ValueError(f"the Hugging Face config has no {err.args[0]!r} entry, which a "
-                         f"{family} config needs") from None
+        return GPTConfig(**settings)
+    except ValueError as err:
+        raise ValueError(f"{fields.source}: these values make no model: {err}") from None
 
 
-def _gpt2_config(hf: dict) -> GPTConfig:
+def _gpt2_config(hf: ConfigFields) -> dict:
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-        if hf.get(flag):
-            raise ValueError(f"GPT-2 option {flag}=true is not supported")
-    if not hf.get("scale_attn_weights", True):
-        raise ValueError("GPT-2 option scale_attn_weights=false is not supported: our attention "
+        if hf.flag(flag, False):
+            raise ValueError(f"{hf.source}: GPT-2 option {flag}=true is not supported")
+    if not hf.flag("scale_attn_weights", True):
+        raise ValueError(f"{hf.source}: GPT-2 option scale_attn_weights=false is not supported: our attention "
                          "always divides the scores by sqrt(head_dim)")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported; "
+    activation = hf.text("activation_function", "gelu_new")
+    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{hf.source}: GPT-2 activation {activation!r} is not supported; "
                          "expected the tanh GELU ('gelu_new')")
-    return GPTConfig(
-        vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
-        n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True),
-    )
+    width, heads = hf.size("n_embd"), hf.count("n_head")
+    if width % heads:
+        raise hf.problem("n_embd", f"a multiple of n_head={heads}")
+    return dict(vocab_size=hf.size("vocab_size"), context_length=hf.size("n_positions"), d_model=width,
+                n_layers=hf.count("n_layer"), n_heads=heads, d_ff=hf.size("n_inner", None),
+                norm_eps=hf.number("layer_norm_epsilon", 1e-5), tie_embeddings=hf.flag("tie_word_embeddings", True))
 
 
-def _rope(params: dict | None, default_theta: float, where: str) -> tuple[float, float]:
-    """(base, linear scaling factor) of one RoPE parameter dict; plain and linear RoPE only."""
-    params = params or {}
-    kind = params.get("rope_type", params.get("type", "default"))
+def _rope(params: ConfigFields, default_theta: float) -> tuple[float, float]:
+    """(base, linear scaling factor) of one RoPE parameter object; plain and linear RoPE only."""
+    kind = params.text("rope_type", params.text("type", "default"))
     if kind not in ("default", "linear"):
-        raise ValueError(f"RoPE scaling of type {kind!r} ({where}) is not supported; only plain RoPE and linear scaling")
-    return float(params.get("rope_theta", default_theta)), float(params.get("factor", 1.0)) if kind == "linear" \
-        else 1.0
+        raise ValueError(f"{params.source}: RoPE scaling of type {kind!r} ({params.prefix.rstrip('.')}) is not "
+                         "supported; only plain RoPE and linear scaling")
+    return params.number("rope_theta", default_theta), params.number("factor", 1.0) if kind == "linear" else 1.0
 
 
-def _decoder_config(hf: dict, family: str) -> GPTConfig:
+def _decoder_config(hf: ConfigFields, family: str) -> dict:
     """Llama and the families built on it."""
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    activation = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act")
+    width, heads, n_layers = hf.size("hidden_size"), hf.count("num_attention_heads"), hf.count("num_hidden_layers")
+    kv_heads = hf.count("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise hf.problem("num_key_value_heads", f"a divisor of num_attention_heads={heads}")
+    head_dim = hf.size("head_dim", 256 if family == "gemma3_text" else None)
+    if head_dim is None and width % heads:
+        raise hf.problem("hidden_size", f"a multiple of num_attention_heads={heads} (or give head_dim)")
+    head_dim = head_dim or width // heads
+    if head_dim % 2:
+        raise hf.problem("head_dim" if hf.has("head_dim") else "hidden_size",
+                         "such that each head's width is even (RoPE turns pairs)", head_dim)
+    activation = hf.text("hidden_activation" if family == "gemma3_text" else "hidden_act")
     expected_activation = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
     if activation not in (None, expected_activation):
-        raise ValueError(f"{family} activation {activation!r} is not supported; expected {expected_activation!r}")
-    bias = hf.get("attention_bias", False)
-    if family == "llama" and hf.get("mlp_bias", False) != bias:
-        raise ValueError("attention_bias and mlp_bias must be equal (both biases or none)")
+        raise ValueError(f"{hf.source}: {family} activation {activation!r} is not supported; "
+                         f"expected {expected_activation!r}")
+    bias = hf.flag("attention_bias", False)
+    if family == "llama" and hf.flag("mlp_bias", False) != bias:
+        raise ValueError(f"{hf.source}: attention_bias and mlp_bias must be equal (both biases or none)")
     if family != "llama" and bias:
-        raise ValueError(f"attention_bias=true is not supported for {family}: its MLP has no biases, ours would")
+        raise ValueError(f"{hf.source}: attention_bias=true is not supported for {family}: its MLP has no biases, "
+                         "ours would")
     fields = dict(
-        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
-        d_ff=hf["intermediate_size"], norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=bias, bias=bias,
-        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", family == "gemma3_text"),
-        head_size=None if head_dim * heads == hf["hidden_size"] else head_dim, qk_norm=family in (
-            "qwen3", "gemma3_text", "qwen3_moe"),
+        vocab_size=hf.size("vocab_size"), context_length=hf.size("max_position_embeddings"), d_model=width,
+        n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, d_ff=hf.size("intermediate_size"), norm="rmsnorm",
+        mlp="swiglu", position="rope", qkv_bias=bias, bias=bias, norm_eps=hf.number("rms_norm_eps", 1e-6),
+        tie_embeddings=hf.flag("tie_word_embeddings", family == "gemma3_text"),
+        head_size=None if head_dim * heads == width else head_dim,
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
     )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = hf.within("rope_parameters" if hf.has("rope_parameters") else "rope_scaling")
+    types = _layer_types(hf, n_layers)  # checked in every family; used by those with sliding layers
     if family == "gemma3_text":
-        fields.update(_gemma3_fields(hf, rope))
+        fields.update(_gemma3_fields(hf, rope, n_layers, head_dim, types))
     else:
-        fields["rope_theta"], fields["rope_scaling"] = _rope(rope, hf.get("rope_theta", 10_000.0), "rope_parameters")
-        fields.update(_sliding_fields(hf, family))
+        fields["rope_theta"], fields["rope_scaling"] = _rope(rope, hf.number("rope_theta", 10_000.0))
+        fields.update(_sliding_fields(hf, family, n_layers, types))
     if family in ("qwen3_moe", "mixtral"):
-        fields.update(_moe_fields(hf, family))
-    return GPTConfig(**fields)
+        fields.update(_moe_fields(hf, family, n_layers))
+    return fields
 
 
-def _layer_types(hf: dict) -> tuple[str, ...] | None:
-    types = hf.get("layer_types")
-    if types is None:
-        return None
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported; expected 'sliding_attention' or 'full_attention'")
-    return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+def _layer_types(hf: ConfigFields, n_layers: int) -> tuple[str, ...] | None:
+    types = hf.choices("layer_types", n_layers, ("sliding_attention", "full_attention"))
+    return None if types is None else tuple("sliding" if t == "sliding_attention" else "full" for t in types)
 
 
-def _sliding_fields(hf: dict, family: str) -> dict:
-    window = hf.get("sliding_window")
-    if family == "llama" or window is None or (family in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window")):
+def _sliding_fields(hf: ConfigFields, family: str, n_layers: int, types: tuple[str, ...] | None) -> dict:
+    window = hf.size("sliding_window", None)
+    if family == "llama" or window is None or (family in ("qwen3", "qwen3_moe")
+                                               and not hf.flag("use_sliding_window", False)):
         return {}
     if family == "qwen3":  # the layers from max_window_layers on slide, unless layer_types says otherwise
-        types = _layer_types(hf) or tuple("sliding" if i >= hf.get("max_window_layers", 28) else "full"
-                                          for i in range(hf["num_hidden_layers"]))
+        first = hf.count("max_window_layers", 28, low=0)
+        types = types or tuple("sliding" if i >= first else "full" for i in range(n_layers))
         return {"sliding_window": window, "layer_types": types} if "sliding" in types else {}
     return {"sliding_window": window}  # Mixtral, Qwen3-MoE: every layer
 
 
-def _gemma3_fields(hf: dict, rope: dict) -> dict:
+def _gemma3_fields(hf: ConfigFields, rope: ConfigFields, n_layers: int, head_dim: int,
+                   types: tuple[str, ...] | None) -> dict:
     for option in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(option) is not None:
-            raise ValueError(f"Gemma option {option}={hf[option]} is not supported (Gemma 2's soft-capping)")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("Gemma option use_bidirectional_attention=true is not supported: a GPT is causal")
-    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one dict per kind of layer
-        theta, scaling = _rope(rope.get("full_attention"), 1_000_000.0, "full_attention")
-        local_theta, local_scaling = _rope(rope.get("sliding_attention"), 10_000.0, "sliding_attention")
+        if hf.has(option):
+            raise ValueError(f"{hf.source}: Gemma option {option}={hf.hf[option]} is not supported (Gemma 2's "
+                             "soft-capping)")
+    if hf.flag("use_bidirectional_attention", False):
+        raise ValueError(f"{hf.source}: Gemma option use_bidirectional_attention=true is not supported: a GPT is "
+                         "causal")
+    if rope.has("full_attention") or rope.has("sliding_attention"):  # transformers 5: one object per kind of layer
+        theta, scaling = _rope(rope.within("full_attention"), 1_000_000.0)
+        local_theta, local_scaling = _rope(rope.within("sliding_attention"), 10_000.0)
         if local_scaling != 1:
-            raise ValueError("RoPE scaling of Gemma's sliding layers is not supported (only of its full layers)")
+            raise ValueError(f"{hf.source}: RoPE scaling of Gemma's sliding layers is not supported (only of its "
+                             "full layers)")
     else:  # the hub's files: rope_theta, rope_local_base_freq and rope_scaling for the full layers
-        theta, scaling = _rope(rope, hf.get("rope_theta", 1_000_000.0), "rope_scaling")
-        local_theta = float(hf.get("rope_local_base_freq", 10_000.0))
-    pattern = hf.get("sliding_window_pattern", 6)
-    types = _layer_types(hf) or tuple("sliding" if (i + 1) % pattern else "full" for i in range(hf["num_hidden_layers"]))
-    head_dim = hf.get("head_dim", 256)
-    scalar = hf.get("query_pre_attn_scalar", 256)
+        theta, scaling = _rope(rope, hf.number("rope_theta", 1_000_000.0))
+        local_theta = hf.number("rope_local_base_freq", 10_000.0)
+    pattern = hf.count("sliding_window_pattern", 6)
+    types = types or tuple("sliding" if (i + 1) % pattern else "full" for i in range(n_layers))
+    scalar = hf.number("query_pre_attn_scalar", 256.0)
     return dict(mlp="geglu", post_norms=True, scale_embeddings=True, rope_theta=theta, rope_scaling=scaling,
-                rope_local_theta=local_theta, layer_types=types, sliding_window=hf.get("sliding_window", 4096),
-                query_scale=None if scalar == head_dim else float(scalar), head_size=head_dim)
+                rope_local_theta=local_theta, layer_types=types, sliding_window=hf.size("sliding_window", 4096),
+                query_scale=None if scalar == head_dim else scalar, head_size=head_dim)
 
 
-def _moe_fields(hf: dict, family: str) -> dict:
-    if hf.get("router_jitter_noise"):
-        raise ValueError("Mixtral option router_jitter_noise is not supported (noise on the router in training)")
-    k = hf["num_experts_per_tok"]
-    if family == "mixtral":
-        return dict(n_experts=hf["num_local_experts"], experts_per_token=k, norm_topk=True,
-                    router_aux_weight=hf.get("router_aux_loss_coef", 0.001) * k)
-    step = hf.get("decoder_sparse_step", 1)
-    dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(hf["num_hidden_layers"])
-                                                          if (i + 1) % step})
+def _moe_fields(hf: ConfigFields, family: str, n_layers: int) -> dict:
+    if hf.number("router_jitter_noise", 0.0, zero=True):
+        raise ValueError(f"{hf.source}: Mixtral option router_jitter_noise is not supported (noise on the router "
+                         "in training)")
+    # transformers 5 writes num_local_experts for both families; the hub's Qwen3-MoE files, num_experts
+    n_experts = hf.count("num_experts" if family == "qwen3_moe" and hf.has("num_experts") else "num_local_experts",
+                         low=2)
+    k = hf.count("num_experts_per_tok")
+    if k > n_experts:
+        raise hf.problem("num_experts_per_tok", f"at most the {n_experts} experts")
     # transformers' balancing loss is k times ours (it counts each of a token's k slots as a token)
-    n_experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]  # transformers 5 writes the latter
-    return dict(n_experts=n_experts, experts_per_token=k, d_expert=hf["moe_intermediate_size"],
-                norm_topk=hf.get("norm_topk_prob", False), dense_layers=tuple(dense),
-                router_aux_weight=hf.get("router_aux_loss_coef", 0.001) * k)
+    aux = hf.number("router_aux_loss_coef", 0.001, zero=True) * k
+    if family == "mixtral":
+        return dict(n_experts=n_experts, experts_per_token=k, norm_topk=True, router_aux_weight=aux)
+    step = hf.count("decoder_sparse_step", 1)
+    dense = sorted(set(hf.indices("mlp_only_layers", n_layers)) | {i for i in range(n_layers) if (i + 1) % step})
+    return dict(n_experts=n_experts, experts_per_token=k, d_expert=hf.size("moe_intermediate_size"),
+                norm_topk=hf.flag("norm_topk_prob", False), dense_layers=tuple(dense), router_aux_weight=aux)
 
 
 def family_of(config: GPTConfig) -> str:

@@ -19,6 +19,7 @@ inside ``torch.compile`` alike, as the custom operator ``llmscratch::word_produc
 import copy
 import ctypes
 import functools
+import math
 import sys
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscratch import native
+from llmscratch.model.moe import MoE
 
 SCHEMES = {"int8": 127, "int4": 7}  # the largest |q| of each: a row's (or group's) largest |w| maps to it
 VALUES_PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the stored layout
@@ -171,9 +173,12 @@ def _run_scales(scales: torch.Tensor, n: int, n_blocks: int) -> torch.Tensor:
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    """The compiled word products (with their argument types set), or None where they cannot be built."""
-    library = native.load("word_product")
-    if library is not None:
+    """The compiled word products (with their argument types set), or None where they cannot be built.
+
+    The library must first give PyTorch's answers exactly, on integer weights and activations (every sum
+    exact in float32): a file in the cache that computes otherwise, damaged or planted, is rebuilt, not used.
+    """
+    def declare_and_check(library: ctypes.CDLL) -> None:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         # x, stored words, scales, out; rows, out_features, in_features, [group_size,] threads
         library.int8_word_product.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
@@ -181,14 +186,37 @@ def _kernels() -> ctypes.CDLL | None:
         # stored words, scales, out; out_features, in_features, [group_size,] threads
         library.int8_dequantize.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_int]
         library.int4_dequantize.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
-    return library
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randint(-4, 5, (2, 128), generator=generator).float()  # (rows, in)
+        for scheme, group_size in [("int8", 0), ("int4", 8), ("int4", 32), ("int4", 128)]:
+            largest = SCHEMES[scheme]  # each row (group) holds its largest value: scales are powers of two, exact
+            q = torch.randint(-largest, largest + 1, (16, 128), generator=generator)
+            q[:, :: group_size or 128] = largest
+            weight = q.float() * 2.0 ** torch.arange(-4, 4).repeat(2)[:, None]  # (out, in)
+            q, scales = quantize_int8(weight) if scheme == "int8" else _int4_values(weight, group_size)
+            stored = to_word_order(q, VALUES_PER_WORD[scheme])
+            stored = stored if scheme == "int8" else pack_int4(stored)
+            product, dequantized = torch.empty(2, 16), torch.empty(16, 128)
+            product_at, dequantized_at = product.data_ptr(), dequantized.data_ptr()
+            if scheme == "int8":
+                library.int8_word_product(x.data_ptr(), stored.data_ptr(), scales.data_ptr(), product_at, 2, 16, 128, 1)
+                library.int8_dequantize(stored.data_ptr(), scales.data_ptr(), dequantized_at, 16, 128, 1)
+            else:
+                library.int4_word_product(x.data_ptr(), stored.data_ptr(), scales.data_ptr(), product_at, 2, 16, 128,
+                                          group_size, 1)
+                library.int4_dequantize(stored.data_ptr(), scales.data_ptr(), dequantized_at, 16, 128, group_size, 1)
+            if not (torch.equal(product, x @ weight.T) and torch.equal(dequantized, weight)):
+                raise ValueError(f"its {scheme} product or dequantized weight differs from PyTorch's")
+
+    return native.load("word_product", declare_and_check)
 
 
 def _library() -> ctypes.CDLL:
     library = _kernels()
     if library is None:
         raise RuntimeError("the C kernel of llmscratch/kernels/word_product.c is not built here (no working C "
-                           "compiler, or LLMSCRATCH_NO_NATIVE=1): QuantizedLinear multiplies by .weight instead")
+                           "compiler, a build that failed or gave wrong answers: see the warning; or "
+                           "LLMSCRATCH_NO_NATIVE=1): QuantizedLinear multiplies by .weight instead")
     return library
 
 
@@ -351,14 +379,12 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 64, head: bool = T
     head: also store the output head as int8 (under either scheme). A head tied to the embedding
     is untied: the embedding keeps its float32 rows for looking tokens up. Norms and embeddings
     stay as they are. For int4, group_size must divide every block layer's input features. The
-    copy records its settings in ``.quantization`` (what ``checkpoint.export_model`` saves).
+    copy records its settings in ``.quantization`` (what ``checkpoint.export_model`` saves). A model
+    already quantized, or with mixture-of-experts MLPs, is refused (``quantizable_layers``).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise ValueError(f"expected a model with .blocks (a GPT), got {type(model).__name__}")
-    linears = [(name, module) for name, module in blocks.named_modules() if type(module) is nn.Linear]
+    linears = quantizable_layers(model)
     if scheme == "int4":
         for name, module in linears:  # every layer checked before anything is built
             try:
@@ -375,3 +401,40 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 64, head: bool = T
         quantized.lm_head = QuantizedLinear(quantized.lm_head, HEAD_SCHEME)
     quantized.quantization = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None, "head": head}
     return quantized.eval()
+
+
+def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linear layers of ``model.blocks`` (names under it) that ``quantize`` replaces.
+
+    ValueError for a model that ``quantize`` would misreport: one already quantized (its layers are
+    no longer ``nn.Linear``: a copy would say int4 and hold int8), or one with mixture-of-experts MLPs
+    (their experts are stacked parameters, which would stay float32 under a quantized label).
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError(f"expected a model with .blocks (a GPT), got {type(model).__name__}")
+    settings = getattr(model, "quantization", None)
+    if settings is not None or any(isinstance(module, QuantizedLinear) for module in model.modules()):
+        raise ValueError(f"the model is already quantized ({describe(settings) if settings else 'in part'}); "
+                         f"rounding rounded weights again loses more than quantizing once: quantize the float "
+                         f"model it was made from")
+    experts = [f"blocks.{name}" for name, module in blocks.named_modules() if isinstance(module, MoE)]
+    if experts:
+        shown = ", ".join(experts[:3]) + (f" and {len(experts) - 3} more" if len(experts) > 3 else "")
+        raise ValueError(f"this model's MoE experts ({shown}) cannot be quantized yet: they are stacked "
+                         f"parameters, not linear layers; keep this model in floating point")
+    return [(name, module) for name, module in blocks.named_modules() if type(module) is nn.Linear]
+
+
+def group_sizes(model: nn.Module) -> list[int]:
+    """The int4 group sizes that fit every layer ``quantize`` replaces: even divisors of each one's inputs."""
+    common = math.gcd(*(linear.in_features for _, linear in quantizable_layers(model)))
+    return [size for size in range(2, common + 1, 2) if common % size == 0]
+
+
+def describe(settings: dict) -> str:
+    """A quantized model's ``.quantization`` in words: "int4 weights (group 64, int8 head)"."""
+    details = [f"group {settings['group_size']}"] if settings.get("group_size") else []
+    if settings["scheme"] != HEAD_SCHEME or not settings["head"]:
+        details.append(f"{HEAD_SCHEME} head" if settings["head"] else "float head")
+    return f"{settings['scheme']} weights" + (f" ({', '.join(details)})" if details else "")

@@ -3,24 +3,29 @@
 A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). ``load_hf`` maps each tensor to our names (``llmscratch.model.hf_formats``:
 GPT-2, Llama, Qwen3, Gemma 3, Qwen3-MoE, Mixtral) and fails, naming the tensor, on anything missing,
-unexpected or mis-shaped; ``save_hf`` writes the reverse.
+unexpected or mis-shaped, and naming config.json's field when a size does not fit the weights or the machine's memory:
+all before anything is allocated, with no file outside the folder read. ``save_hf`` writes the reverse.
 ``load_model_and_tokenizer`` opens every source a chapter produces (a pretraining run folder,
 its checkpoint.pt or model.safetensors, a Hugging Face folder) with the tokenizer that fits it.
 """
 
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import torch
 
-from llmscratch.files import check_weights, read_json_object, read_safetensors, write_safetensors, write_text_atomically
+from llmscratch.device import machine_memory
+from llmscratch.files import (check_weights, read_json_object, read_safetensors, read_safetensors_shapes,
+                              write_safetensors, write_text_atomically)
 from llmscratch.model.checkpoint import EXPORT_FORMAT, model_from_checkpoint, tokenizer_from_checkpoint
+from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT
 from llmscratch.model.hf_formats import (IGNORED_SUFFIXES, config_from_hf, config_to_hf, hf_to_ours,
-                                         language_model_tensors, ours_to_hf)
+                                         language_model_tensors, ours_to_hf, size_fields)
 from llmscratch.text.hf_tokenizer import load_tokenizer, tokenizer_from_hf
 from llmscratch.text.sentencepiece import SentencePieceBPE
 from llmscratch.text.tokenizer import BPETokenizer
@@ -35,45 +40,126 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
     """Build a GPT from a Hugging Face folder (config.json + safetensors), on the CPU; of a multimodal Gemma 3, its
     language model.
 
-    Each shard's weights pass ``check_weights`` as the file stores them, before any cast to ``dtype``.
+    Nothing is allocated before config.json has been checked against the shapes the safetensors headers record
+    and the model found to fit in memory; no file outside the folder is read. Each shard's weights pass
+    ``check_weights`` as the file stores them, before any cast to ``dtype``.
     """
     folder = Path(path)
-    if not (folder / "config.json").is_file():
+    config_file = folder / "config.json"
+    if not config_file.is_file():
         raise ValueError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
-    hf_config = read_json_object(folder / "config.json")
-    config = config_from_hf(hf_config)
+    hf_config = read_json_object(config_file)
+    config = config_from_hf(hf_config, source=str(config_file))
+    shards = _shard_files(folder)
+    _check_sizes(hf_config, config, shards, config_file)
     tensors = {}
-    for shard in _shard_files(folder):
+    for shard in shards:
         weights = read_safetensors(shard)[1]
         check_weights({name: t for name, t in weights.items() if not name.endswith(IGNORED_SUFFIXES)}, shard)
         tensors.update(weights)
     state = hf_to_ours(language_model_tensors(hf_config, tensors), config)
     model = GPT(config)
-    expected = model.state_dict()
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint, "
-                             f"the config implies {tuple(expected[name].shape)}")
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True)  # every shape was compared in _check_sizes
     return model.to(dtype) if dtype is not None else model
 
 
+# A layer's tensors in every family's names: model.layers.3.*, transformer.h.3.* (GPT-2), h.3.*
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def _check_sizes(hf_config: dict, config: GPTConfig, shards: list[Path], config_file: Path) -> None:
+    """ValueError naming config.json and its fields unless the model they describe has the shapes the shards'
+    headers record and fits in this machine's memory; read from the headers and built on the "meta" device, so
+    that nothing is allocated and no tensor is read."""
+    fields = size_fields(hf_config)
+    meta = {}
+    for shard in shards:
+        meta.update({name: torch.empty(shape, device="meta") for name, shape in read_safetensors_shapes(shard).items()})
+    meta = language_model_tensors(hf_config, meta)
+    layers = len({match.group(1) for name in meta if (match := _LAYER.search(name))})
+    if layers != config.n_layers:
+        named = _named(fields, ("n_layer", "num_hidden_layers"))
+        raise ValueError(f"{config_file}: {named} does not fit the weights, which hold {layers} layers")
+    with torch.device("meta"):
+        model = GPT(config)
+    expected = model.state_dict()
+    try:
+        state = hf_to_ours(meta, config)
+    except ValueError as err:
+        raise ValueError(f"{config_file.parent}: the weights do not fit config.json ({_named(fields)}): "
+                         f"{err}") from None
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            sizes = set(expected[name].shape) - set(tensor.shape)
+            named = _named({k: v for k, v in fields.items() if v in sizes} or fields)
+            raise ValueError(f"{config_file}: {named} does not fit the weights: tensor {name} has shape "
+                             f"{tuple(tensor.shape)} in the checkpoint, the config implies "
+                             f"{tuple(expected[name].shape)}")
+    _check_memory(model, shards, fields, config_file)
+
+
+def _check_memory(model: GPT, shards: list[Path], fields: dict[str, int], config_file: Path) -> None:
+    """ValueError unless the model (built on "meta"), in float32, and the weights read beside it fit in memory.
+
+    The weights' shapes pin every parameter; what they do not pin are the tables sized by the context length
+    (RoPE's cos and sin), which a config.json claiming 10**10 positions would make terabytes long.
+    """
+    available = machine_memory()
+    parameters = sum(p.numel() * 4 for p in model.parameters())
+    tables = sum(b.numel() * b.element_size() for b in model.buffers())
+    stored = sum(shard.stat().st_size for shard in shards)
+    if available is None or parameters + tables + stored <= available:
+        return
+    gib = 1 << 30
+    raise ValueError(f"{config_file}: this model needs about {(parameters + tables + stored) / gib:,.1f} GiB of "
+                     f"memory to load ({parameters / gib:,.1f} GiB of weights in float32, {stored / gib:,.1f} GiB "
+                     f"read from its files, {tables / gib:,.1f} GiB of position tables for "
+                     f"{_named(fields, ('n_positions', 'max_position_embeddings'))}), more than this machine's "
+                     f"{available / gib:,.1f} GiB")
+
+
+def _named(fields: dict[str, int], names: tuple[str, ...] | None = None) -> str:
+    """``name=value`` of the size fields called ``names`` (as the file spells them), or of them all."""
+    chosen = {k: v for k, v in fields.items() if names is None or k.rpartition(".")[2] in names}
+    return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "its sizes"
+
+
 def _shard_files(folder: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face folder: those its index names, or model.safetensors."""
+    """The safetensors files of a Hugging Face folder: those its index names, or model.safetensors; each one a file
+    of the folder, checked before anything reads it."""
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
         if not (folder / "model.safetensors").is_file():
             raise ValueError(f"{folder} has no model.safetensors (nor an index of shards)")
+        _check_inside(folder, "model.safetensors", f"{folder / 'model.safetensors'}")
         return [folder / "model.safetensors"]
     weight_map = read_json_object(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard.endswith(".safetensors") or "\0" in shard:
+            raise ValueError(f"{index}: weight_map entry {tensor!r} is {shard!r}, expected the name of a "
+                             f".safetensors file in {folder}")
+        if Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(f"{index}: weight_map entry {tensor!r} names {shard!r}, a path out of {folder}; a "
+                             "shard must be a file in the folder")
     shards = sorted(set(weight_map.values()))
     missing = [shard for shard in shards if not (folder / shard).is_file()]
     if missing:
         raise ValueError(f"{index} names shard file(s) {missing} that are not in {folder}: "
                          "the download or copy is incomplete")
+    for shard in shards:
+        _check_inside(folder, shard, f"{index}: weight_map's {shard!r}")
     return [folder / shard for shard in shards]
+
+
+def _check_inside(folder: Path, name: str, where: str) -> None:
+    """ValueError unless ``folder / name`` is a file of the folder once links are followed. The one link out
+    allowed is the Hugging Face hub cache's: snapshots/<revision>/<file> -> ../../blobs/<hash>."""
+    target, inside = (folder / name).resolve(), folder.resolve()
+    hub_blob = inside.parent.name == "snapshots" and target.parent == inside.parent.parent / "blobs"
+    if not target.is_relative_to(inside) and not hub_blob:
+        raise ValueError(f"{where} links to {target}, outside {folder}; a shard must be a file in the folder")
 
 
 # --------------------------------------------------------------------------- any model

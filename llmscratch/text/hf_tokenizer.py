@@ -16,7 +16,8 @@ from pathlib import Path
 
 from llmscratch.files import read_json_object
 from llmscratch.text.bpe import merges_from_ranks
-from llmscratch.text.checks import NORMALIZATIONS, parse_tokenizer_json, read_tokenizer_text
+from llmscratch.text.checks import (NORMALIZATIONS, check_hf_tokenizer, check_tokenizer_config, parse_tokenizer_json,
+                                    read_tokenizer_text)
 from llmscratch.text.sentencepiece import SPACE, SPM_FILE_FORMAT, SentencePieceBPE
 from llmscratch.text.tokenizer import GPT2_SPLIT_PATTERN, BPETokenizer
 
@@ -74,6 +75,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
         raise ValueError(f"{file} is not a tokenizer.json: it has no 'model' object")
     model = data["model"]
     _check_model(model, file)
+    check_hf_tokenizer(data, file)
     if model.get("byte_fallback"):
         return _sentencepiece_bpe(data, file)
     vocab, merges = model.get("vocab"), model.get("merges")
@@ -98,7 +100,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     listed = _merges_in_id_order(regular, merges, vocab)
     if listed is not None:  # the merge list makes ids 256, 257, ... in order: read as it is
         byte_order, pairs = listed
-        return BPETokenizer(pairs, byte_order=byte_order, **options)
+        return _named(file, lambda: BPETokenizer(pairs, byte_order=byte_order, **options))
     # Else a vocabulary in tiktoken's rank order, as Llama 3's: the list holds every split of each token, sorted
     # by the id of what it makes, so an earlier merge is one that makes a smaller id, as in tiktoken's BPE, and
     # the merges are recovered from the ranks. (Two merges that make the same token: the list's order picks one,
@@ -111,7 +113,15 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
         byte_order, ranked = merges_from_ranks(regular)
     except ValueError as err:
         raise ValueError(f"{file}: the merges make the tokens neither in id order nor in rank order ({err})") from None
-    return BPETokenizer(ranked, byte_order=byte_order, **options)
+    return _named(file, lambda: BPETokenizer(ranked, byte_order=byte_order, **options))
+
+
+def _named(file: Path, make):
+    """``make()``, its ValueError (a part the tokenizer refuses: its split pattern, a role) naming ``file``."""
+    try:
+        return make()
+    except ValueError as err:
+        raise ValueError(f"{file}: {err}") from None
 
 
 def _check_model(model: dict, file: Path) -> None:
@@ -208,7 +218,9 @@ def _added_tokens(data: dict, file: Path, normalize) -> tuple[dict[str, int], li
 def _config_token(file: Path, key: str, known: dict[str, int]) -> str | None:
     """The token tokenizer_config.json beside ``file`` names for ``key`` (eos_token), if it is one of ``known``."""
     config_file = file.parent / "tokenizer_config.json"
-    token = read_json_object(config_file).get(key) if config_file.is_file() else None
+    config = read_json_object(config_file) if config_file.is_file() else {}
+    check_tokenizer_config(config, config_file)
+    token = config.get(key)
     token = token.get("content") if isinstance(token, dict) else token
     return token if token in known else None
 
@@ -241,7 +253,7 @@ def _sentencepiece_bpe(data: dict, file: Path) -> "SentencePieceBPE":
         raise ValueError(f"{file}: ignore_merges with byte fallback is not supported")
     merges = _merge_pairs(model.get("merges") or [], file)
     added, added_text = _added_tokens(data, file, lambda text: text.replace(" ", SPACE))
-    return SentencePieceBPE(model["vocab"], merges, added, model.get("unk_token"),
-                            _config_token(file, "eos_token", {**model["vocab"], **added}), _first_special(data),
-                            file.parent.name or "hf", added_text=added_text,
-                            fuse_unk=bool(model.get("fuse_unk", False)))
+    eos_token = _config_token(file, "eos_token", {**model["vocab"], **added})
+    return _named(file, lambda: SentencePieceBPE(model["vocab"], merges, added, model.get("unk_token"), eos_token,
+                                                 _first_special(data), file.parent.name or "hf",
+                                                 added_text=added_text, fuse_unk=bool(model.get("fuse_unk", False))))
