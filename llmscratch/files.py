@@ -313,10 +313,14 @@ def parse_json_lines(text: str, source: str | os.PathLike, expected: str = "one 
             continue
         try:
             values.append(json.loads(line))
-        except json.JSONDecodeError as err:
+        except JSON_ERRORS as err:
             if not skip_malformed:
                 raise ValueError(f"{source}, line {number}: not JSON ({err}); expected {expected}") from None
     return values
+
+
+# What json.loads raises on text that is not JSON, or JSON nested deeper than Python's recursion limit allows.
+JSON_ERRORS = (json.JSONDecodeError, RecursionError)
 
 
 def read_json_object(path: Path) -> dict:
@@ -326,8 +330,10 @@ def read_json_object(path: Path) -> dict:
         content = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, *JSON_ERRORS) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except OSError as err:  # a folder, a dangling link, no permission
+        raise ValueError(f"{path} cannot be read as a JSON file: {err.strerror or err}") from None
     if not isinstance(content, dict):
         raise ValueError(f"{path} should hold a JSON object, got {type(content).__name__}")
     return content

@@ -168,6 +168,8 @@ def _sha256(path: Path) -> str:
 
 def _checksum_problem(library: Path) -> str | None:
     """What is wrong with ``library`` against the sha256 recorded when it was built, or None."""
+    if not library.is_file():
+        return "is not a file"
     try:
         recorded = _checksum_file(library).read_text().strip()
     except OSError:
@@ -190,6 +192,8 @@ def _check_problem(loaded: ctypes.CDLL, check: Callable[[ctypes.CDLL], None] | N
 
 
 def _remove(library: Path) -> None:
+    if library.is_dir() and not library.is_symlink():  # a folder where the library belongs
+        shutil.rmtree(library)
     library.unlink(missing_ok=True)
     _checksum_file(library).unlink(missing_ok=True)
 

@@ -6,6 +6,7 @@ then lost, no half-written output); an API fault must raise a ValueError naming 
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,6 +290,48 @@ def test_a_damaged_tokenizer_config_is_named_by_file_and_field(tmp_path, hub_doc
         with pytest.raises(ValueError) as error:
             load(tmp_path)
         assert f"{tmp_path / 'tokenizer_config.json'}: {message}" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_json_nested_past_pythons_limit_is_named_not_a_recursion_error(tmp_path, hub_document, name):
+    """'[' * 100000: json.loads raises RecursionError, not JSONDecodeError; it is a damaged file all the same."""
+    from llmscratch.text.chat_template import ChatTemplate
+    from llmscratch.text.hf_tokenizer import load_tokenizer, tokenizer_from_hf
+
+    write(tmp_path / "tokenizer.json", json.dumps(hub_document))
+    config = {"chat_template": "{{ messages }}", "eos_token": "<|im_end|>"}
+    write(tmp_path / "tokenizer_config.json", json.dumps(config))
+    tokenizer = tokenizer_from_hf(tmp_path)
+    write(tmp_path / name, "[" * 100_000 + "]" * 100_000)
+    readers = {"tokenizer.json": [lambda: tokenizer_from_hf(tmp_path), lambda: load_tokenizer(tmp_path / name)],
+               "tokenizer_config.json": [lambda: tokenizer_from_hf(tmp_path), lambda: ChatTemplate.from_hf(tmp_path)],
+               "generation_config.json": [lambda: ChatTemplate.from_hf(tmp_path, tokenizer)]}[name]
+    for read in readers:
+        with pytest.raises(ValueError, match="recursion") as error:
+            read()
+        assert str(tmp_path / name) in str(error.value)
+
+
+@pytest.mark.parametrize("merge, message", [
+    (["zz9", "qq8"], "merges[0] joins 'zz9', which is not in the vocabulary"),
+    ("a qq8", "merges[0] joins 'qq8', which is not in the vocabulary"),
+])
+def test_a_merge_of_tokens_the_vocabulary_lacks_is_named(tmp_path, hub_document, merge, message):
+    from llmscratch.text.hf_tokenizer import tokenizer_from_hf
+
+    document = json.loads(json.dumps(hub_document))
+    document["model"]["merges"][0] = merge  # either way a file may write a merge: a pair, or "left right"
+    write(tmp_path / "tokenizer.json", json.dumps(document))
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer.json: {message}")):
+        tokenizer_from_hf(tmp_path)
+
+
+def test_a_tokenizer_json_that_is_a_folder_is_named(tmp_path):
+    from llmscratch.text.hf_tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(ValueError, match="is a folder, not a tokenizer file"):
+        load_tokenizer(tmp_path / "tokenizer.json")
 
 
 def with_split(document: dict, pattern: str) -> dict:

@@ -313,3 +313,13 @@ def test_load_model_and_tokenizer_refuses_the_same_folders(pristine, tmp_path):
     edit_config(folder, setter("vocab_size", 2 * 10**9))
     with RefuseBigTensors(), pytest.raises(ValueError, match=r"config\.json: vocab_size=2000000000 does not fit"):
         load_model_and_tokenizer(folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_nested_past_pythons_limit_is_named(pristine, tmp_path, name):
+    """json.loads raises RecursionError on '[' * 100000, not JSONDecodeError: a damaged file all the same."""
+    folder = copy_of(pristine, "llama", tmp_path)
+    (folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    with RefuseBigTensors(), pytest.raises(ValueError, match="not valid JSON.*recursion") as caught:
+        load_model_and_tokenizer(folder)
+    assert str(folder / name) in str(caught.value)

@@ -93,6 +93,14 @@ def test_a_damaged_library_in_the_cache_is_rebuilt_never_loaded(tmp_path, damage
     assert not [p for p in library.parent.iterdir() if p.suffix == ".so" and p != library]  # none built beside it
 
 
+def test_a_folder_where_the_library_belongs_is_replaced_by_the_library(tmp_path):
+    library = built_library(tmp_path)
+    library.unlink()
+    (library / "inside").mkdir(parents=True)
+    assert_rebuilt(quantize_in_a_process(tmp_path), library, "is not a file")
+    assert not [p for p in library.parent.iterdir() if p.suffix == ".so" and p != library]  # none built beside it
+
+
 def test_a_library_without_its_recorded_checksum_is_rebuilt(tmp_path):
     library = built_library(tmp_path)
     native._checksum_file(library).unlink()  # a cache from before checksums, or a file copied in alone

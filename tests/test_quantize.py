@@ -447,6 +447,7 @@ INT4 = {"scheme": "int4", "group_size": 16, "head": True}
     ({**INT4, "scheme": "int8"}, r"quantization group_size 16: expected null for int8"),
     ({**INT4, "head": "yes"}, r"quantization head 'yes': expected true or false"),
     ({**INT4, "head": 1}, r"quantization head 1: expected true or false"),
+    ({**INT4, "head": False}, r"quantization metadata .* and its tensors disagree: the file holds lm_head\.qweight"),
     ({"scheme": "int4", "group_size": 16}, r"quantization field\(s\) \['head'\] missing or unknown"),
     ({**INT4, "bits": 4}, r"quantization field\(s\) \['bits'\] missing or unknown"),
 ])

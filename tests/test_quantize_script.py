@@ -1,12 +1,11 @@
 """ch07-deployment/quantize.py run whole: usage errors for a group size or a model it cannot take, and a file that
 loads whenever it writes one."""
 
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from scripts import run_script
 from tiny_training import model_config, tokenizer
 
 from llmscratch.model.checkpoint import export_model, model_from_checkpoint
@@ -15,21 +14,13 @@ from llmscratch.model.gpt import GPT
 from llmscratch.model.quantize import quantize
 from tests.model_fixtures import LATER_SHAPES
 
-SCRIPT = Path(__file__).resolve().parents[1] / "ch07-deployment" / "quantize.py"
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 SIZES = "choose one of 2, 4, 8, 16, 32, 64"  # the even divisors of 64 (attention) and 128 (the MLP's down)
 
 
 def run(*argv) -> int | str:
     """The script as ``python quantize.py ARGV...`` runs it, in this process: its exit status (or error text)."""
-    saved, sys.argv = sys.argv, [str(SCRIPT), *map(str, argv)]
-    try:
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    except SystemExit as exit_info:
-        return 0 if exit_info.code is None else exit_info.code
-    finally:
-        sys.argv = saved
-    return 0
+    return run_script("quantize", list(argv))
 
 
 @pytest.fixture(scope="module")

@@ -331,6 +331,37 @@ def test_errors_name_the_field_plainly_not_a_pydantic_branch(keyless, body, fiel
     assert "list[" not in error["message"] and ".str" not in error["message"]
 
 
+@pytest.mark.parametrize("body, field, words", [
+    ({"model": "base", "prompt": "x", "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({"model": "base", "prompt": "x", "max_tokens": True}, "max_tokens", "valid integer"),
+    ({"model": "base", "prompt": [1, True]}, "prompt[1]", "valid integer"),
+    ({"model": "base", "prompt": "x", "temperature": "0.5"}, "temperature", "valid number"),
+    ({"model": "base", "prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
+    ({"model": "base", "prompt": "x", "temperature": float("inf")}, "temperature", "finite number"),
+])
+def test_values_are_taken_as_json_types_them(keyless, body, field, words):
+    """A string or true is not a number, and NaN is no temperature: refused by name, not taken as 5, 1 or 2."""
+    url, _ = keyless
+    response = httpx.post(f"{url}/v1/completions", content=json.dumps(body), timeout=TIMEOUT,
+                          headers={"Content-Type": "application/json"})
+    error = error_of(response)
+    assert response.status_code == 422 and error["param"] == field and words in error["message"], response.text
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("completions", '{"model": "base", "prompt": "Ahab \\ud800 whale", "max_tokens": 1}', "prompt"),
+    ("chat/completions", '{"model": "base", "messages": [{"role": "user", "content": "hi"}, '
+                         '{"role": "user", "content": "\\udfff"}], "max_tokens": 1}', "messages[1].content"),
+])
+def test_a_lone_surrogate_is_refused_by_name(keyless, endpoint, body, param):
+    url, _ = keyless
+    response = httpx.post(f"{url}/v1/{endpoint}", content=body.encode(), timeout=TIMEOUT,
+                          headers={"Content-Type": "application/json"})
+    error = error_of(response)
+    assert response.status_code == 400 and error["param"] == param and "lone surrogate" in error["message"], \
+        response.text
+
+
 # --------------------------------------------------------------------------- what OpenAI's clients send
 def chat(url: str, messages: list[dict]) -> httpx.Response:
     return post(f"{url}/v1/chat/completions", {"model": "base", "messages": messages, "max_tokens": 8,

@@ -24,7 +24,7 @@ HOSTILE = [  # (the template, what the message says)
     (LOOPS, "ran past its time limit of 2 s"),
     ("{{ 'x' * 10**10 }}", "more than its 1024 MiB of memory"),
     ("{{ range(10**9) | list }}", "Range too big"),  # the sandbox's own bound on range
-    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deeply"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed or nested too deeply"),
     # held out: other ways to a huge value, another loop, another recursion
     ("{{ 'x' | center(10**10) }}", "of memory"),
     ("{{ '%*s' % (10**10, 'x') }}", "of memory"),
@@ -164,3 +164,19 @@ def test_a_forked_child_renders_with_workers_of_its_own():
             process.kill()
     assert process.exitcode == 0
     assert template.render([{"role": "user", "content": "again"}]) == "<user>again"
+
+
+def test_a_template_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "chat_template.jinja").write_bytes(b"caf\xe9 {{ messages }}")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'chat_template.jinja'} is not UTF-8 text"):
+        ChatTemplate.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("source", ["{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+                                    "{% if 1 %}" * 3000 + "{% endif %}" * 3000,
+                                    "{{ " + "[" * 5000 + "]" * 5000 + " }}"], ids=["brackets", "blocks", "lists"])
+def test_a_template_nested_thousands_deep_is_refused_when_read(tmp_path, source):
+    (tmp_path / "chat_template.jinja").write_text(source, encoding="utf-8")
+    with pytest.raises(ValueError, match="recursed or nested too deeply") as caught:
+        ChatTemplate.from_hf(tmp_path)
+    assert str(caught.value).startswith(f"{tmp_path / 'chat_template.jinja'}: ")

@@ -50,9 +50,10 @@ CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new
 class _Sampling(BaseModel):
     """The fields both endpoints share. Fields this server does not know are ignored (as vLLM's server does),
     so a client that sends more of OpenAI's options still gets an answer. Those below that this server cannot
-    honour (n > 1, penalties, logprobs; echo and best_of for completions) are refused rather than ignored."""
+    honour (n > 1, penalties, logprobs; echo and best_of for completions) are refused rather than ignored.
+    Values are taken as JSON types them (strict): "5" or true is not a number, and NaN or infinity is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -127,6 +128,16 @@ class ChatRequest(_Sampling):
 
 FIELD_NAMES = frozenset().union(*(model.model_fields for model in (CompletionRequest, ChatRequest, ChatMessage,
                                                                    ContentPart)))
+
+
+def utf8_length(text: str, param: str) -> int:
+    """The UTF-8 bytes of ``text``; APIError 400 where it holds a lone surrogate (JSON's "\\ud800"), which is no
+    character: a tokenizer would drop it, or write U+FFFD, or fail."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"{param}: character {err.start} is a lone surrogate ({text[err.start]!r}), not Unicode "
+                            "text", "invalid_value", param) from None
 
 
 def parse_body(raw: bytes, kind: type[_Sampling]) -> _Sampling:
@@ -277,7 +288,7 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         if isinstance(body.prompt, list):
             fits(len(body.prompt), "tokens", "prompt")
             return body.prompt
-        fits(len(body.prompt.encode("utf-8", "surrogatepass")), "bytes", "prompt")
+        fits(utf8_length(body.prompt, "prompt"), "bytes", "prompt")
         try:
             return text_prompt_ids(tokenizer, body.prompt)
         except ValueError as err:  # text the tokenizer cannot take (a lone surrogate)
@@ -285,7 +296,8 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
 
     def chat_ids(body: ChatRequest) -> list[int]:
         messages = [message.plain(i) for i, message in enumerate(body.messages)]
-        fits(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "bytes", "messages")
+        fits(sum(utf8_length(m["content"], f"messages[{i}].content") for i, m in enumerate(messages)), "bytes",
+             "messages")
         try:
             if chat_template is None:
                 return with_bos(tokenizer, tokenizer.encode(format_chat(messages), disallowed_special=()))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from llmscratch.device import autocast
-from llmscratch.files import parse_json_lines
+from llmscratch.files import JSON_ERRORS, parse_json_lines
 from llmscratch.model.generate import generate, with_bos
 from llmscratch.model.gpt import evaluating
 from llmscratch.model.losses import IGNORE_INDEX
@@ -315,7 +315,7 @@ def read_json_records(path: Path) -> list:
     text = read_text_file(path)
     try:
         records = json.loads(text)
-    except json.JSONDecodeError as err:
+    except JSON_ERRORS as err:
         lines = [line for line in text.splitlines() if line.strip()]
         if len(lines) < 2 or not lines[0].lstrip().startswith("{"):
             raise ValueError(f"{path} is not a JSON file: {err}") from None

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmscratch.files import check_weights, read_safetensors, write_safetensors
+from llmscratch.files import JSON_ERRORS, check_weights, read_safetensors, write_safetensors
 from llmscratch.finetuning.config import LoRAConfig
 
 _FORMAT = "llmscratch-lora"
@@ -218,7 +218,7 @@ def _adapter_layers(metadata: dict[str, str], path) -> dict[str, tuple[int, floa
         raise ValueError(f"{path} is not an llmscratch LoRA adapter file (format {metadata.get('format')!r})")
     try:
         layers = json.loads(metadata["layers"])
-    except (KeyError, json.JSONDecodeError) as err:
+    except (KeyError, *JSON_ERRORS) as err:
         raise ValueError(f"{path}: its metadata has no readable 'layers' entry ({err!r}); "
                          "expected the JSON that save_adapters writes") from None
     if not isinstance(layers, dict) or not layers:

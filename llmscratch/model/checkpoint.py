@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmscratch.files import check_weights, check_zip_checksums, read_safetensors, write_atomically, write_safetensors
+from llmscratch.files import (JSON_ERRORS, check_weights, check_zip_checksums, read_safetensors, write_atomically,
+                              write_safetensors)
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.gpt import GPT, unwrap
 from llmscratch.model.quantize import SCHEMES, quantize
@@ -203,7 +204,7 @@ def _metadata_object(metadata: dict[str, str], key: str, path: Path) -> dict[str
         raise ValueError(f"{path}: its metadata has no {key!r} entry (every model export records one)")
     try:
         value = json.loads(metadata[key])
-    except json.JSONDecodeError as err:
+    except JSON_ERRORS as err:
         raise ValueError(f"{path}: its metadata {key!r} is not JSON ({err})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: its metadata {key!r} should be a JSON object, got {type(value).__name__}")
@@ -237,9 +238,17 @@ def quantized_like(model: GPT, quantization: dict[str, Any], tensors: dict[str, 
         model = quantize(model, quantization["scheme"], quantization["group_size"] or 64, quantization["head"])
     except ValueError as err:
         raise ValueError(f"{source}: its quantization {quantization} does not fit its model: {err}") from None
-    for name, buffer in model.state_dict().items():
-        if not _quantized_part(name, quantization) or name not in tensors:
-            continue  # a missing tensor is named by load_model_state
+    state = model.state_dict()
+    made = {name for name in state if _quantized_part(name, quantization)}
+    held = {name for name in tensors if _quantized_part(name, quantization)}
+    if made != held:  # the metadata says one thing ("head": false), the tensors another (lm_head.qweight)
+        odd = sorted(held - made) or sorted(made - held)
+        raise ValueError(f"{source}: its quantization metadata {quantization} and its tensors disagree: "
+                         f"{'the file holds' if held - made else 'the file lacks'} {', '.join(odd[:4])}"
+                         f"{' ...' if len(odd) > 4 else ''}")
+    for name, buffer in state.items():
+        if name not in made:
+            continue
         stored = tensors[name]
         if name.endswith(".qweight") and stored.dtype != buffer.dtype:
             raise ValueError(f"{source}: {name}: the file holds {stored.dtype} values, expected {buffer.dtype} "

@@ -69,7 +69,10 @@ class ChatTemplate:
         source = config.get("chat_template")
         if (folder / "chat_template.jinja").is_file():  # where transformers 4.50 and later save it
             origin = folder / "chat_template.jinja"
-            source = origin.read_text(encoding="utf-8")
+            try:
+                source = origin.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{origin} is not UTF-8 text ({err})") from None
         if isinstance(source, list):  # several named templates: the default one
             source = {entry.get("name"): entry["template"] for entry in source}.get("default")
         if source is None:
@@ -266,7 +269,8 @@ def _serve(memory_bytes: int, parent: int) -> None:
         except MemoryError:
             _reply({"error": f"the chat template needed more than its {memory_bytes >> 20} MiB of memory"})
         except RecursionError:
-            _reply({"error": "the chat template recursed too deeply (a macro that calls itself?)"})
+            _reply({"error": "the chat template recursed or nested too deeply (a macro that calls itself, or blocks "
+                             "and brackets thousands deep)"})
         except Exception as err:  # noqa: BLE001 (the template's own error, whatever it is, goes back as text)
             _reply({"error": f"the chat template failed on this conversation: {type(err).__name__}: {err}"})
 

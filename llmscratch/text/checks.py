@@ -158,13 +158,15 @@ def read_tokenizer_text(path: str | os.PathLike) -> str:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not a tokenizer file (not UTF-8: {err})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not a tokenizer file") from None
 
 
 def parse_tokenizer_json(text: str, source: str) -> Any:
     """The JSON value of a tokenizer file's text; text that is not JSON is a ValueError naming ``source``."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # (RecursionError: nested past Python's limit)
         raise ValueError(f"{source} is not a tokenizer file (invalid JSON: {err})") from None
 
 

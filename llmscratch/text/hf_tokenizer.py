@@ -97,6 +97,7 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
                    whole_chunks=bool(model.get("ignore_merges")), bos_token=_first_special(data),
                    eos_token=_config_token(file, "eos_token", added), added_text=added_text)
     merges = _merge_pairs(merges, file)
+    _check_merges_known(merges, vocab, file)
     listed = _merges_in_id_order(regular, merges, vocab)
     if listed is not None:  # the merge list makes ids 256, 257, ... in order: read as it is
         byte_order, pairs = listed
@@ -114,6 +115,15 @@ def tokenizer_from_hf(path: str | os.PathLike) -> "BPETokenizer | SentencePieceB
     except ValueError as err:
         raise ValueError(f"{file}: the merges make the tokens neither in id order nor in rank order ({err})") from None
     return _named(file, lambda: BPETokenizer(ranked, byte_order=byte_order, **options))
+
+
+def _check_merges_known(merges: list[tuple[str, str]], vocab: dict[str, int], file: Path) -> None:
+    """ValueError naming the first merge that joins, or makes, a token the vocabulary lacks (the tokenizers
+    library refuses such a file too)."""
+    for index, (left, right) in enumerate(merges):
+        for token, what in ((left, "joins"), (right, "joins"), (left + right, "makes")):
+            if token not in vocab:
+                raise ValueError(f"{file}: merges[{index}] {what} {token!r}, which is not in the vocabulary")
 
 
 def _named(file: Path, make):
