@@ -323,3 +323,14 @@ def test_json_nested_past_pythons_limit_is_named(pristine, tmp_path, name):
     with RefuseBigTensors(), pytest.raises(ValueError, match="not valid JSON.*recursion") as caught:
         load_model_and_tokenizer(folder)
     assert str(folder / name) in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling link"])
+def test_a_tokenizer_json_that_is_no_file_is_named_as_such(pristine, tmp_path, kind):
+    folder = copy_of(pristine, "llama", tmp_path)
+    if kind == "folder":
+        (folder / "tokenizer.json").mkdir()
+    else:
+        (folder / "tokenizer.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(ValueError, match="tokenizer.json is a (folder|link to nothing), not a tokenizer file"):
+        load_model_and_tokenizer(folder)

@@ -212,6 +212,9 @@ def _hf_tokenizer(folder: Path, model: GPT) -> "BPETokenizer | SentencePieceBPE"
     model of the GPT-2 family or with GPT-2's vocabulary size."""
     if (folder / "tokenizer.json").is_file():
         return tokenizer_from_hf(folder / "tokenizer.json")
+    if (folder / "tokenizer.json").exists() or (folder / "tokenizer.json").is_symlink():
+        what = "a folder" if (folder / "tokenizer.json").is_dir() else "a link to nothing"
+        raise ValueError(f"{folder / 'tokenizer.json'} is {what}, not a tokenizer file")
     vocab_size = model.config.vocab_size
     if model.config.position == "learned":
         if vocab_size < GPT2_VOCAB_SIZE:
