@@ -40,6 +40,7 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "serve": ["-m", "benchmarks.bench_serve"],  # a server subprocess and its clients: 3.6 minutes on 2 idle cores, about 6 on busy ones
     "server_abuse": ["-m", "benchmarks.bench_server_abuse"],  # 200 half-sent connections, 200 MB bodies, a hostile template: 30 s
     "moe": ["-m", "benchmarks.bench_moe"],  # decoding an MoE against the dense main job: about a minute
+    "llama_cpp": ["-m", "benchmarks.bench_llama_cpp"],  # needs llama-cpp-python (not a requirement): about 2 minutes
 }
 
 

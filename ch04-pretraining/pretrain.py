@@ -8,8 +8,8 @@
 Under torchrun, --parallel fsdp gives each process a shard of the model, --parallel tp a slice of every
 block's heads and MLP, --parallel fsdp+tp --tp N both (llmscratch.training.parallel).
 The run folder (--out-dir) receives checkpoint.pt (to resume; a checkpoint/ folder with --parallel
-fsdp, tp or fsdp+tp), model.safetensors (weights, config and tokenizer, for finetuning), tokenizer.json,
-metrics.jsonl, loss.png, summary.json and sample.txt.
+fsdp, tp or fsdp+tp), model.safetensors (weights, config and tokenizer, for finetuning), tokenizer.llmscratch.json
+(the tokenizer in the package's own format), metrics.jsonl, loss.png, summary.json and sample.txt.
 """
 
 import argparse

@@ -6,8 +6,9 @@
     python ch07-deployment/serve.py --model ~/models/Qwen3-0.6B       # a Hugging Face folder, in its chat format
 
 Then open http://127.0.0.1:8000/ in a browser, or talk to it with curl or the official openai
-client (base_url "http://127.0.0.1:8000/v1"); docs/serving.md shows both. Endpoints: /v1/completions,
-/v1/chat/completions (streamed with "stream": true), /v1/models, /health, /metrics.
+client (base_url "http://127.0.0.1:8000/v1"); docs/serving.md shows both. Endpoints: /v1/completions
+(with logprobs, echo and lists of prompts, for evaluation harnesses), /v1/chat/completions (streamed with
+"stream": true), /v1/models, /health, /metrics; without keys also vLLM's /tokenize, /detokenize, /tokenizer_info.
 
 API keys come from --api-key (repeatable) and from the environment variable LLMSCRATCH_API_KEYS
 (comma-separated). With none the server answers anyone who can reach it, so it then listens on

@@ -40,3 +40,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def served_model():
+    """The bundled base model in float32 with its tokenizer, for the server's tests; torch on one thread while the
+    module runs (a tiny model: the second core serves the clients)."""
+    import torch
+
+    from llmscratch.cli import DEFAULT_MODELS
+    from llmscratch.model.weights import load_model_and_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODELS["base"][0])
+    yield model.float().eval(), tokenizer
+    torch.set_num_threads(threads)

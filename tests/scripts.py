@@ -21,7 +21,8 @@ SCRIPTS = {"pretrain": ROOT / "ch04-pretraining" / "pretrain.py",
            "cloze": ROOT / "ch06-alignment" / "make_cloze_data.py",
            "tokenizer": ROOT / "ch01-tokenization" / "train_tokenizer.py",
            "serve": ROOT / "ch07-deployment" / "serve.py",
-           "quantize": ROOT / "ch07-deployment" / "quantize.py"}
+           "quantize": ROOT / "ch07-deployment" / "quantize.py",
+           "export": ROOT / "ch07-deployment" / "export.py"}
 
 
 def run_script(name: str, argv: list[str]) -> int | str:

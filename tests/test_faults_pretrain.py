@@ -65,7 +65,7 @@ def copy_run(finished_run: Path, tmp_path: Path) -> Path:
     # run.json names the text by its old path: point it (and nothing else) at the copy.
     flags = json.loads((tmp_path / RUN / "run.json").read_text())
     flags["data"] = [str(tmp_path / "text.txt")]
-    flags["tokenizer"] = str(tmp_path / RUN / "tokenizer.json")
+    flags["tokenizer"] = str(tmp_path / RUN / "tokenizer.llmscratch.json")
     (tmp_path / RUN / "run.json").write_text(json.dumps(flags))
     return tmp_path / RUN
 
@@ -126,7 +126,7 @@ def damaged_run_json(content: str) -> Callable[[Path], list[str]]:
 
 
 def deleted_tokenizer(tmp_path):
-    (tmp_path / RUN / "tokenizer.json").unlink()
+    (tmp_path / RUN / "tokenizer.llmscratch.json").unlink()
     return ["--out-dir", str(tmp_path / RUN), "--resume", "--max-steps", "5"]
 
 
@@ -146,7 +146,7 @@ def under_a_file(tmp_path):
     return with_text("--out-dir", "{tmp}/file/run")(tmp_path)
 
 
-RUN_FILES = [f"{RUN}/run.json", f"{RUN}/checkpoint.pt", f"{RUN}/tokenizer.json", f"{RUN}/metrics.jsonl",
+RUN_FILES = [f"{RUN}/run.json", f"{RUN}/checkpoint.pt", f"{RUN}/tokenizer.llmscratch.json", f"{RUN}/metrics.jsonl",
              f"{RUN}/model.safetensors"]
 
 SCRIPT_CASES = [
@@ -186,7 +186,7 @@ SCRIPT_CASES = [
     ScriptCase("final eval tokens below a window", with_text("--final-eval-tokens", "2"), 2,
                r"--final-eval-tokens 2 .*17 tokens", creates_nothing=True),
     # Rough edges.
-    ScriptCase("resume without tokenizer.json", deleted_tokenizer, 0, r"done in", needs_run=True),
+    ScriptCase("resume without its tokenizer file", deleted_tokenizer, 0, r"done in", needs_run=True),
     ScriptCase("resume of a moved run folder", moved_run, 0, r"done in", needs_run=True),
     ScriptCase("resume whose data moved", moved_data, 2,
                r"--resume: .*--data \S*text\.txt .*run\.json",

@@ -1,4 +1,4 @@
-"""Qwen3, Gemma 3 (text), Qwen3-MoE and Mixtral: our GPT against transformers' own random-weight models (offline).
+"""Arcee (the course's squared-ReLU Llama), Qwen3, Gemma 3 (text), Qwen3-MoE and Mixtral: our GPT against transformers' own random-weight models (offline).
 
 Shapes no preset has: heads whose width is not d_model / n_heads, windows shorter than the prompt,
 expert counts that divide neither the tokens nor k, a dense layer among the MoE ones.
@@ -21,6 +21,13 @@ from llmscratch.model.hf_formats import config_from_hf, family_of  # noqa: E402
 from llmscratch.model.weights import load_hf, save_hf  # noqa: E402
 
 TOLERANCE = 1e-4  # max |logit difference| in float32
+
+
+def hf_arcee(**changes):
+    fields = dict(vocab_size=293, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=None,
+                  eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 20_000.0})
+    return _random(transformers.ArceeConfig(**{**fields, **changes}), transformers.ArceeForCausalLM, seed=8)
 
 
 def hf_qwen3(tie: bool = True, **changes):
@@ -63,6 +70,9 @@ def _random(config, model_class, seed: int):
 
 
 HF_MODELS = {
+    "arcee-relu2-gqa": hf_arcee,
+    "arcee-gelu-biases-tied": lambda: hf_arcee(hidden_act="gelu_pytorch_tanh", attention_bias=True, mlp_bias=True,
+                                               tie_word_embeddings=True),
     "qwen3-tied-wide-heads": hf_qwen3,
     "qwen3-untied-mha": lambda: hf_qwen3(tie=False, num_key_value_heads=6, head_dim=8),
     "qwen3-sliding-top-layers": lambda: hf_qwen3(use_sliding_window=True, sliding_window=6, max_window_layers=1),
@@ -130,7 +140,7 @@ def test_save_hf_round_trips_through_transformers(pair, tmp_path):
 
 def test_families_are_recognised():
     families = {name: family_of(config_from_hf(model().config.to_dict())) for name, model in
-                {"qwen3": hf_qwen3, "gemma3_text": hf_gemma3, "qwen3_moe": hf_qwen3_moe, "mixtral": hf_mixtral}.items()}
+                {"arcee": hf_arcee, "qwen3": hf_qwen3, "gemma3_text": hf_gemma3, "qwen3_moe": hf_qwen3_moe, "mixtral": hf_mixtral}.items()}
     assert families == {name: name for name in families}
 
 

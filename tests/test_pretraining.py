@@ -32,8 +32,8 @@ def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file
                                    *PRETRAIN_FLAGS]) == 0
     printed = capsys.readouterr().out
     assert "done in" in printed and "bits per byte" in printed
-    for name in ("checkpoint.pt", "model.safetensors", "tokenizer.json", "run.json", "metrics.jsonl", "loss.png",
-                 "summary.json", "sample.txt"):
+    for name in ("checkpoint.pt", "model.safetensors", "tokenizer.llmscratch.json", "run.json", "metrics.jsonl",
+                 "loss.png", "summary.json", "sample.txt"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and 0 < summary["val_bits_per_byte"] < 10
@@ -44,7 +44,7 @@ def test_a_tiny_run_leaves_a_complete_run_folder_and_resumes(tmp_path, text_file
     for a, b in zip(exported.parameters(), trained.parameters()):
         assert torch.equal(a, b)
     assert tokenizer_from_checkpoint(out / "model.safetensors").to_json() == BPETokenizer.load(
-        out / "tokenizer.json").to_json()
+        out / "tokenizer.llmscratch.json").to_json()
     # --resume needs no other flags: the run's own are read back; a larger --max-steps extends it.
     assert run_script("pretrain", ["--out-dir", str(out), "--resume", "--max-steps", "6"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 6

@@ -21,29 +21,18 @@ import torch
 from scripts import SCRIPTS, run_script
 from serving import free_port, running_server
 
-from llmscratch.cli import DEFAULT_MODELS
 from llmscratch.deployment.engine import Engine
 from llmscratch.deployment.server import create_app
 from llmscratch.finetuning.instruct import format_chat
 from llmscratch.model.generate import generate
-from llmscratch.model.weights import load_model_and_tokenizer
 
 pytestmark = [pytest.mark.timeout(300)]
 TIMEOUT = 60.0
 
 
 @pytest.fixture(scope="module")
-def base():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: the second core serves the clients
-    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODELS["base"][0])
-    yield model.float().eval(), tokenizer
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def server(base):
-    model, tokenizer = base
+def server(served_model):
+    model, tokenizer = served_model
     engine = Engine(model, tokenizer, max_slots=16)
     with running_server(create_app(engine, model_name="base")) as url:
         yield url, engine
@@ -180,10 +169,11 @@ def test_a_full_queue_answers_503_at_once(base):
     ({"prompt": "x"}, 422, "model: Field required"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' is not served here"),
     ({"model": "base", "prompt": "x", "n": 2}, 400, "n=2"),
-    ({"model": "base", "prompt": "x", "max_tokens": 300}, 400, "context is 256 tokens"),
-    ({"model": "base", "prompt": "whale " * 300, "max_tokens": 1}, 400, "context is 256 tokens"),
+    ({"model": "base", "prompt": "x", "max_tokens": 300}, 400, "maximum context length is 256 tokens"),
+    ({"model": "base", "prompt": "whale " * 300, "max_tokens": 1}, 400, "maximum context length is 256 tokens"),
     ({"model": "base", "prompt": "x", "temperature": "hot"}, 422, "temperature"),
-    ({"model": "base", "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ({"model": "base", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "base", "prompt": "x", "max_tokens": -1}, 422, "max_tokens"),
     ({"model": "base", "prompt": "x", "seed": 10**23}, 422, "seed"),
     ({"model": "base", "prompt": [99999]}, 400, "outside 0..4095"),
     ({"model": "base", "messages": []}, 422, "messages"),
@@ -301,3 +291,9 @@ def test_serve_py_help_explains_every_flag(capsys):
     for flag in ("--model", "--name", "--host", "--port", "--api-key", "--rate-limit", "--max-slots", "--max-waiting",
                  "--batch-shape", "--dtype", "--device", "LLMSCRATCH_API_KEYS"):
         assert flag in text
+
+
+@pytest.fixture(scope="module")
+def base(served_model):
+    """(model, tokenizer): the bundled base model, as the server under test serves it (tests/conftest.py)."""
+    return served_model

@@ -43,6 +43,7 @@ def hf_llama(tie: bool = False, bias: bool = False, **shape):
 HF_MODELS = {
     "gpt2": hf_gpt2,
     "gpt2-untied": lambda: hf_gpt2(tie=False),
+    "gpt2-relu2": lambda: hf_gpt2(activation_function="relu2"),  # pretrain.py --preset gpt2-small, its default MLP
     "llama-gqa-untied": hf_llama,
     "llama-tied-bias": lambda: hf_llama(tie=True, bias=True),
     # Other shapes: 3 heads of 12 with an MLP of 100 (n_inner); multi-query with heads of 20;

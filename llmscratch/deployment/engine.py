@@ -17,6 +17,10 @@ is the same whoever else runs: see RESULTS.md for what that costs.
 One thread runs the steps (``start``/``stop``, or ``with engine:``); ``submit`` may be called from
 any thread, and each request's events go to its ``emit`` callback, from the engine's thread.
 
+With ``logprobs`` a request's events also carry each token's log-probability under the model and the most
+likely alternatives; with ``prompt_logprobs`` its first event carries the prompt's, taken from the logits its
+prefill computes anyway (what an evaluation harness scores a multiple-choice answer with).
+
 The cache is allocated whole at start: ``cache_bytes`` says how much, and an engine whose cache would
 take more than ``CACHE_SHARE`` of the memory free on the model's device is refused before allocating.
 """
@@ -43,6 +47,7 @@ BATCH_SHAPES = ("occupied", "fixed")
 # each step's work, where a batched prefill writes its prompts into a scratch cache of their own (as large as
 # the cache itself when every slot is admitted at once with a long prompt) and computes their logits.
 CACHE_SHARE = 0.5
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position (vLLM's default bound too)
 
 
 class QueueFull(Exception):
@@ -54,7 +59,9 @@ class SamplingParams:
     """How one request is decoded: greedy when temperature == 0, else sampled (see ``sample_next_token``).
 
     seed: the request's own random stream (None: a fresh one); stop: strings that end the answer
-    (not part of it); max_tokens: new tokens at most. Checked when made.
+    (not part of it); max_tokens: new tokens at most (0: none, only the prompt's logprobs).
+    logprobs: each new token's log-probability and this many alternatives' (None: none);
+    prompt_logprobs: the prompt's tokens' too (with as many alternatives). Checked when made.
     """
 
     max_tokens: int = 16
@@ -63,13 +70,36 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs else 1):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability where it stands (None: a prompt's first token, which nothing predicts), and the
+    ``top`` most likely ids there with theirs, most likely first."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob]:
+    """Each id's log-probability under logits (T, V) at its position, with the ``top`` most likely alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()  # (T, V)
+    chosen = logprobs.gather(1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0].tolist()  # (T,)
+    values, indices = logprobs.topk(top, dim=-1)  # (T, top)
+    return [TokenLogprob(i, lp, list(zip(alt_ids, alt_lps)))
+            for i, lp, alt_ids, alt_lps in zip(ids, chosen, indices.tolist(), values.tolist())]
 
 
 @dataclasses.dataclass
@@ -77,7 +107,8 @@ class Event:
     """What a request produced since its last event: new text and token ids; finish_reason when it ended.
 
     finish_reason: "stop" (end-of-text or a stop string), "length" (max_tokens), "cancelled" or
-    "error" (then ``error`` says why). The last event also carries the token counts.
+    "error" (then ``error`` says why). The last event also carries the token counts. logprobs: one per
+    token_ids, when the request asked; prompt_logprobs: on the first event, when it asked.
     """
 
     text: str
@@ -86,6 +117,8 @@ class Event:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class StopText:
@@ -137,9 +170,12 @@ class Request:
         self.stopped = False  # a stop string was found: nothing after it is text of the answer
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill; goes out with the first event
 
     def emit(self, event: Event) -> None:
         """Hand an event to the caller; a caller that cannot take it any more (its loop closed) has left."""
+        if self.prompt_logprobs is not None:
+            event.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         try:
             self._emit(event)
         except Exception:
@@ -151,14 +187,17 @@ class Request:
 
     def result(self, timeout: float) -> Event:
         """Wait (at most timeout seconds) for the end; the whole answer as one event. Only without an emit."""
-        text, ids = [], []
+        text, ids, logprobs, prompt_logprobs = [], [], [], None
         deadline = time.monotonic() + timeout
         while True:
             event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))  # queue.Empty past the deadline
             text.append(event.text)
             ids += event.token_ids
+            logprobs += event.logprobs or []
+            prompt_logprobs = prompt_logprobs or event.prompt_logprobs
             if event.finish_reason is not None:
-                return dataclasses.replace(event, text="".join(text), token_ids=ids)
+                return dataclasses.replace(event, text="".join(text), token_ids=ids, prompt_logprobs=prompt_logprobs,
+                                           logprobs=logprobs if self.params.logprobs is not None else None)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         tail = ""
@@ -170,14 +209,15 @@ class Request:
             reason = "stop" if stopped else reason  # a stop string that could only be told at the end
         self.emit(Event(tail, [], reason, error, len(self.prompt_ids), len(self.token_ids)))
 
-    def add_token(self, token_id: int, eos_id: int | None) -> str | None:
-        """Take the next token; emit its text; the finish reason if the request is done, else None."""
+    def add_token(self, token_id: int, eos_id: int | None, logprob: TokenLogprob | None = None) -> str | None:
+        """Take the next token (and its logprob, if asked); emit its text; the finish reason if the request is done,
+        else None."""
         self.token_ids.append(token_id)
         if token_id == eos_id:
             return "stop"
         text, self.stopped = self.stop_text.feed(self.decoder.decode(self.tokenizer.decode_bytes([token_id])))
         if text or not self.stopped:
-            self.emit(Event(text, [token_id]))
+            self.emit(Event(text, [token_id], logprobs=None if logprob is None else [logprob]))
         if self.stopped:
             return "stop"
         return "length" if len(self.token_ids) == self.params.max_tokens else None
@@ -223,14 +263,15 @@ class Engine:
                emit: Callable[[Event], None] | None = None) -> Request:
         """Queue a request; its events go to emit (from the engine's thread) or to ``request.events``.
 
-        ValueError if the prompt is empty, holds an id the model lacks, or leaves no room for
-        max_tokens within the context; QueueFull if max_waiting requests already wait.
+        ValueError if the prompt is empty, holds an id the model lacks (or, for its logprobs, the tokenizer), or
+        leaves no room for max_tokens within the context; QueueFull if max_waiting requests already wait.
         """
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
             raise ValueError("the prompt is empty: there must be at least one token to continue")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.model.config.vocab_size:
-            raise ValueError(f"the prompt holds ids outside 0..{self.model.config.vocab_size - 1}")
+        ids = self.vocab_size if params.prompt_logprobs else self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= ids:
+            raise ValueError(f"the prompt holds ids outside 0..{ids - 1}")
         if len(prompt_ids) + params.max_tokens > self.context_length:
             raise ValueError(f"this model's context is {self.context_length} tokens; the request asks for "
                              f"{len(prompt_ids) + params.max_tokens} ({len(prompt_ids)} of prompt, "
@@ -346,7 +387,10 @@ class Engine:
                 self.positions[row] = len(request.prompt_ids)
             try:
                 logits = self._prefill(group)  # (n, V)
-                self._choose({row: logits[i] for i, (row, _) in enumerate(group)})
+                self._choose({row: logits[i] for i, (row, request) in enumerate(group) if request.params.max_tokens})
+                for row, request in group:
+                    if not request.params.max_tokens:  # the prompt's logprobs were all it asked for
+                        self._retire(row, "length")
             except Exception as err:  # these requests end; the others run on
                 for row, _ in group:
                     if self.slots[row] is not None:
@@ -359,8 +403,10 @@ class Engine:
         device = self.tokens.device
         if len(group) == 1:
             row = group[0][0]
-            return self.model(torch.tensor(prompts, device=device),
-                              [cache.rows(row, row + 1) for cache in self.caches])[:, -1]  # (1, V)
+            caches = [cache.rows(row, row + 1) for cache in self.caches]
+            logits = self.model(torch.tensor(prompts, device=device), caches)
+            self._score_prompts(group, logits)  # (1, T, V)
+            return logits[:, -1]  # (1, V)
         # Several in one forward: right-padded to the longest, into a cache of their own, then copied into their
         # rows. A prompt never sees the padding after it (causal), and the padding's keys sit at positions its row
         # writes anew before any query reads them.
@@ -370,12 +416,21 @@ class Engine:
             idx[i, : len(prompt)] = torch.tensor(prompt)
         scratch = self.model.make_kv_caches(len(prompts), longest)
         logits = self.model(idx, scratch)  # (n, T, V)
+        self._score_prompts(group, logits)
         rows = torch.tensor([row for row, _ in group], device=device)
         for cache, part in zip(self.caches, scratch):
             cache.keys[rows, :, :longest] = part.keys
             cache.values[rows, :, :longest] = part.values
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=device)
         return logits[torch.arange(len(prompts), device=device), last]  # (n, V): each prompt's own last position
+
+    def _score_prompts(self, group: list[tuple[int, "Request"]], logits: torch.Tensor) -> None:
+        """The prompt's logprobs for each request that asked, from its prefill's logits (n, T, V)."""
+        for i, (_, request) in enumerate(group):
+            if request.params.prompt_logprobs:
+                ids = request.prompt_ids
+                request.prompt_logprobs = [TokenLogprob(ids[0], None, [])] + token_logprobs(
+                    logits[i, : len(ids) - 1, : self.vocab_size], ids[1:], request.params.logprobs or 0)
 
     def _decode(self) -> None:
         """Feed every occupied row its last token at its own position; choose the next ones."""
@@ -404,7 +459,10 @@ class Engine:
             self.stats.tokens += 1
             if len(request.token_ids) == 0:
                 self.stats.first_token(time.monotonic() - request.submitted)
-            reason = request.add_token(token_id, self.eos_id)
+            # The model's own distribution, before temperature, top-k and top-p reshape it (as vLLM reports it)
+            logprob = None if params.logprobs is None else token_logprobs(logits[None, : self.vocab_size], [token_id],
+                                                                          params.logprobs)[0]
+            reason = request.add_token(token_id, self.eos_id, logprob)
             if reason is None and int(self.positions[row]) >= self.context_length:
                 reason = "length"  # submit keeps prompt + max_tokens within the context; this is the backstop
             if reason is not None:

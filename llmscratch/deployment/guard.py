@@ -34,6 +34,7 @@ WRONG_KEYS_PER_MINUTE = 10  # from one address; past it, every request from ther
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's, outside /v1/: keyed like /v1/
 
 
 class APIError(Exception):
@@ -161,13 +162,13 @@ class Guard:
             raise APIError(400, f"the Host header {headers.get('host', '')!r} is not a name of this server; a keyless "
                                 f"server answers to {', '.join(sorted(self.hosts))}", "invalid_host")
         client = peer
-        if self.keys and scope["path"].startswith("/v1/"):
+        if self.keys and guarded(scope["path"]):
             retry = self.wrong_keys.wait(peer)
             if retry:
                 raise APIError(429, f"too many wrong API keys from this address; retry in {retry} s",
                                "too_many_wrong_keys", headers={"Retry-After": str(retry)})
             client = self.key(headers, peer)
-        if self.limit is not None and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+        if self.limit is not None and scope["method"] == "POST" and guarded(scope["path"]):
             self.limit.check(client)
 
     def key(self, headers: dict[str, str], peer: str) -> str:
@@ -207,6 +208,11 @@ class Guard:
     def too_large(self) -> APIError:
         return APIError(413, f"the request's body is larger than this server takes ({self.max_body_bytes} bytes)",
                         "request_too_large")
+
+
+def guarded(path: str) -> bool:
+    """Whether a request for ``path`` needs a key (when keys are set) and counts against the rate limit."""
+    return path.startswith("/v1/") or path in TOKENIZER_ROUTES
 
 
 def has_body(headers: dict[str, str]) -> bool:

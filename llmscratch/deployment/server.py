@@ -1,9 +1,12 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine, with a chat page.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (whole, or streamed as server-sent
-events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus text) and the chat page at ``/``. The requests and answers are the OpenAI API's, so
-its official clients, curl scripts and chat front ends written for it work unchanged.
+events ending with ``data: [DONE]``), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health``,
+``GET /metrics`` (Prometheus text) and the chat page at ``/``. The requests and answers are the OpenAI
+API's, so its official clients, curl scripts and chat front ends written for it work unchanged. Completions
+take what evaluation harnesses send (lm-evaluation-harness, for one): ``prompt`` as a list (a batch, one
+choice each), ``logprobs`` (each token's log-probability and up to 20 alternatives) and ``echo`` (the
+prompt's own tokens scored too, with ``max_tokens`` 0 allowed).
 
 Guards at the door (``Guard``), from the headers alone, before a byte of the body is read: the Host
 header on a keyless server (DNS rebinding), API keys (``Authorization: Bearer KEY``) when any are set,
@@ -36,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from llmscratch.deployment.engine import Engine, Event, QueueFull, SamplingParams
+from llmscratch.deployment.engine import MAX_LOGPROBS, Engine, Event, QueueFull, SamplingParams, TokenLogprob
 from llmscratch.deployment.guard import MAX_BODY_BYTES, READ_TIMEOUT, APIError, Guard, RateLimit, host_names, http_error
 from llmscratch.finetuning.instruct import TEMPLATE_MARKERS, format_chat
 from llmscratch.model.generate import prompt_ids as text_prompt_ids
@@ -44,13 +47,14 @@ from llmscratch.model.generate import with_bos
 from llmscratch.text.chat_template import ChatTemplate
 
 CHAT_STOP = TEMPLATE_MARKERS[0]  # "###": an instruction model that starts a new section has finished its answer
+MAX_PROMPTS = 64  # prompts in one completions request (each its own request to the engine)
 
 
 # --------------------------------------------------------------------------- the requests
 class _Sampling(BaseModel):
     """The fields both endpoints share. Fields this server does not know are ignored (as vLLM's server does),
     so a client that sends more of OpenAI's options still gets an answer. Those below that this server cannot
-    honour (n > 1, penalties, logprobs; echo and best_of for completions) are refused rather than ignored.
+    honour (n > 1, penalties; logprobs for chat, best_of for completions) are refused rather than ignored.
     Values are taken as JSON types them (strict): "5" or true is not a number, and NaN or infinity is refused."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -66,7 +70,6 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator takes
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -74,26 +77,48 @@ class _Sampling(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (it must be 0)", "unsupported", name)
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "unsupported", "logprobs")
 
-    def sampling(self, max_tokens: int, extra_stop: Sequence[str] = ()) -> SamplingParams:
+    def sampling(self, max_tokens: int, extra_stop: Sequence[str] = (), **options) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4:
             raise APIError(400, f"stop has {len(stops)} strings; at most 4 are allowed", "invalid_value", "stop")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                                   top_p=None if self.top_p == 1.0 else self.top_p, seed=self.seed,
-                                  stop=tuple(stops) + tuple(extra_stop))
+                                  stop=tuple(stops) + tuple(extra_stop), **options)
         except ValueError as err:
             raise APIError(400, str(err), "invalid_value") from None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    """prompt: a text, a list of token ids, or a batch of either (a list of texts or of id lists)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     echo: bool = False
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if (self.best_of or 1) > 1:
+            raise APIError(400, f"best_of={self.best_of} is not supported (it must be 1)", "unsupported", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 asks for nothing without echo (the prompt's own logprobs)",
+                           "invalid_value", "max_tokens")
+        if self.stream and self.echo:
+            raise APIError(400, "echo is not supported with stream", "unsupported", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a batch: one text or one id list makes a batch of one."""
+        batch = self.prompt if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) \
+            else [self.prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"prompt holds {len(batch)} prompts; at most {MAX_PROMPTS} are allowed in one request",
+                           "invalid_value", "prompt")
+        if len(batch) > 1 and self.stream:
+            raise APIError(400, "a list of prompts cannot be streamed; send them one by one", "unsupported", "stream")
+        return batch
 
 
 class ContentPart(BaseModel):
@@ -124,10 +149,30 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported for chat (they are for /v1/completions)", "unsupported",
+                           "logprobs")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``, which lm-evaluation-harness uses as its tokenizer when a server offers it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    tokens: list[int]
 
 
 FIELD_NAMES = frozenset().union(*(model.model_fields for model in (CompletionRequest, ChatRequest, ChatMessage,
-                                                                   ContentPart)))
+                                                                   ContentPart, TokenizeRequest, DetokenizeRequest)))
 
 
 def utf8_length(text: str, param: str) -> int:
@@ -140,7 +185,7 @@ def utf8_length(text: str, param: str) -> int:
                             "text", "invalid_value", param) from None
 
 
-def parse_body(raw: bytes, kind: type[_Sampling]) -> _Sampling:
+def parse_body(raw: bytes, kind: type[BaseModel]) -> BaseModel:
     """The request's body as ``kind``; APIError 400 if it is not a JSON object, 422 naming the first bad field.
 
     Runs in a thread: parsing takes time in proportion to the body.
@@ -254,12 +299,23 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         body.check_supported()
         return body
 
-    def fits(size: int, unit: str, param: str) -> None:
-        """Refuse at once a prompt that cannot fit the context, before any work in proportion to it."""
-        most = max_prompt_bytes if unit == "bytes" else engine.context_length
-        if size > most:
-            raise APIError(400, f"this model's context is {engine.context_length} tokens; {param} is {size} "
-                                f"{unit} long, more than can fit", "context_length_exceeded", param)
+    def fits(size: int, param: str) -> None:
+        """Refuse at once a text prompt of ``size`` UTF-8 bytes that cannot fit the context, before any work in
+        proportion to it (tokenising it)."""
+        if size > max_prompt_bytes:
+            raise APIError(400, f"This model's maximum context length is {engine.context_length} tokens. However, "
+                                f"your {param} is {size} bytes long, more than {engine.context_length} tokens can "
+                                f"hold. "
+                                f"Please reduce the length of the {param}.", "context_length_exceeded", param)
+
+    def check_room(prompt_tokens: int, completion_tokens: int, param: str) -> None:
+        """The context-length error in OpenAI's words, which clients (litellm, langchain) recognise as such."""
+        asked = prompt_tokens + completion_tokens
+        if asked > engine.context_length:
+            raise APIError(400, f"This model's maximum context length is {engine.context_length} tokens. However, "
+                                f"you requested {asked} tokens ({prompt_tokens} in the {param}, {completion_tokens} "
+                                f"in the completion). Please reduce the length of the {param} or completion.",
+                           "context_length_exceeded", param)
 
     mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
 
@@ -284,20 +340,21 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
         """max_tokens as asked, or (chat, unset) all the room the context leaves."""
         return asked if asked is not None else max(1, engine.context_length - len(prompt_ids))
 
-    def completion_ids(body: CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, list):
-            fits(len(body.prompt), "tokens", "prompt")
-            return body.prompt
-        fits(utf8_length(body.prompt, "prompt"), "bytes", "prompt")
+    def completion_ids(prompt: str | list[int], max_tokens: int | None) -> list[int]:
+        if isinstance(prompt, list):
+            check_room(len(prompt), room(prompt, max_tokens), "prompt")
+            return prompt
+        fits(utf8_length(prompt, "prompt"), "prompt")
         try:
-            return text_prompt_ids(tokenizer, body.prompt)
+            ids = text_prompt_ids(tokenizer, prompt)
         except ValueError as err:  # text the tokenizer cannot take (a lone surrogate)
             raise APIError(400, f"prompt: {err}", "invalid_value", "prompt") from None
+        check_room(len(ids), room(ids, max_tokens), "prompt")
+        return ids
 
     def chat_ids(body: ChatRequest) -> list[int]:
         messages = [message.plain(i) for i, message in enumerate(body.messages)]
-        fits(sum(utf8_length(m["content"], f"messages[{i}].content") for i, m in enumerate(messages)), "bytes",
-             "messages")
+        fits(sum(utf8_length(m["content"], f"messages[{i}].content") for i, m in enumerate(messages)), "messages")
         try:
             if chat_template is None:
                 return with_bos(tokenizer, tokenizer.encode(format_chat(messages), disallowed_special=()))
@@ -308,68 +365,129 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
-        if body.echo or (body.best_of or 1) > 1:
-            raise APIError(400, "echo and best_of > 1 are not supported", "unsupported")
-        prompt_ids = await run_in_threadpool(completion_ids, body)
-        params = body.sampling(room(prompt_ids, body.max_tokens))
-        return await answer(request, body, "text_completion", *start(prompt_ids, params))
+        prompts = body.prompts()
+        batch_ids = await run_in_threadpool(lambda: [completion_ids(prompt, body.max_tokens) for prompt in prompts])
+        runs = []
+        try:  # each prompt its own request; all of them or none
+            for prompt_ids in batch_ids:
+                params = body.sampling(room(prompt_ids, body.max_tokens), logprobs=body.logprobs,
+                                       prompt_logprobs=body.echo)
+                runs.append(start(prompt_ids, params))
+        except APIError:
+            for _, handle in runs:
+                handle.cancel()
+            raise
+        # The prompts' texts lead the answers' (ids the engine took, so the tokenizer knows them)
+        echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
+        return await answer(request, body, "text_completion", runs, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
         prompt_ids = await run_in_threadpool(chat_ids, body)
         stops = (chat_stop,) if chat_template is None else chat_template.stops
-        params = body.sampling(room(prompt_ids, body.max_completion_tokens or body.max_tokens), stops)
-        return await answer(request, body, "chat.completion", *start(prompt_ids, params))
+        max_tokens = room(prompt_ids, body.max_completion_tokens or body.max_tokens)
+        check_room(len(prompt_ids), max_tokens, "messages")
+        params = body.sampling(max_tokens, stops)
+        return await answer(request, body, "chat.completion", [start(prompt_ids, params)])
 
-    async def answer(request: Request, body: _Sampling, kind: str, events: asyncio.Queue, handle):
-        """The answer whole (JSON) or streamed (server-sent events); either way the request ends if the client goes."""
+    async def answer(request: Request, body: _Sampling, kind: str, runs: list[tuple[asyncio.Queue, object]],
+                     echoes: list[str] | None = None):
+        """The answer whole (JSON, a choice per run) or streamed (server-sent events, one run); either way the
+        request ends if the client goes."""
         ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        logprobs = getattr(body, "logprobs", None) is not None and kind == "text_completion"
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(sse(events, handle, ident, kind, usage), media_type="text/event-stream",
+            return StreamingResponse(sse(*runs[0], ident, kind, usage, logprobs), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, event = [], None
+        results = await gather(request, runs)
+        if results is None:  # the client has gone: nobody reads the answer
+            return Response(status_code=499)
+        for events in results:
+            if events[-1].finish_reason == "error":
+                raise APIError(500, f"generation failed: {events[-1].error}", "server_error")
+            if events[-1].finish_reason == "cancelled":  # not by this client: the server is stopping
+                raise APIError(503, "the server is shutting down; retry shortly", "server_shutting_down")
+        choices = [choice(index, kind, events, logprobs, echoes[index] if echoes else "")
+                   for index, events in enumerate(results)]
+        usage = {key: sum(usage_of(events[-1])[key] for events in results) for key in usage_of(results[0][-1])}
+        return JSONResponse({"id": ident, "object": kind, "created": int(time.time()), "model": model_name,
+                             "choices": choices, "usage": usage})
+
+    async def gather(request: Request, runs: list[tuple[asyncio.Queue, object]]) -> list[list[Event]] | None:
+        """Each run's events up to its last; None if the client left first (then every run is cancelled)."""
+        async def collect(events: asyncio.Queue) -> list[Event]:
+            got = [await events.get()]
+            while got[-1].finish_reason is None:
+                got.append(await events.get())
+            return got
+
         left = asyncio.ensure_future(disconnected(request))
+        collecting = asyncio.ensure_future(asyncio.gather(*(collect(events) for events, _ in runs)))
         try:
-            while event is None or event.finish_reason is None:
-                next_event = asyncio.ensure_future(events.get())
-                await asyncio.wait({next_event, left}, return_when=asyncio.FIRST_COMPLETED)
-                if not next_event.done():  # the client has gone: nobody reads the answer
-                    next_event.cancel()
-                    return Response(status_code=499)
-                event = next_event.result()
-                text.append(event.text)
+            await asyncio.wait({collecting, left}, return_when=asyncio.FIRST_COMPLETED)
+            return collecting.result() if collecting.done() else None
         finally:
             left.cancel()
-            if event is None or event.finish_reason is None:  # left early (or the server is stopping)
-                handle.cancel()
-        if event.finish_reason == "error":
-            raise APIError(500, f"generation failed: {event.error}", "server_error")
-        if event.finish_reason == "cancelled":  # not by this client: the server is stopping
-            raise APIError(503, "the server is shutting down; retry shortly", "server_shutting_down")
-        return JSONResponse(whole(ident, kind, "".join(text), event))
+            if not collecting.done():  # left early (or the server is stopping)
+                collecting.cancel()
+                for _, handle in runs:
+                    handle.cancel()
 
-    def whole(ident: str, kind: str, text: str, last: Event) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if kind == "chat.completion"
-                  else {"index": 0, "text": text, "logprobs": None})
-        choice["finish_reason"] = last.finish_reason
-        return {"id": ident, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
-                "usage": usage_of(last)}
+    def choice(index: int, kind: str, events: list[Event], logprobs: bool, echo: str) -> dict:
+        text = "".join(event.text for event in events)
+        if kind == "chat.completion":
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": events[-1].finish_reason}
+        block = None
+        if logprobs:
+            prompt = logprobs_block([e for event in events for e in event.prompt_logprobs or []], 0)
+            block = logprobs_block([e for event in events for e in event.logprobs or []], len(echo))
+            block = {key: prompt[key] + block[key] for key in block}
+        return {"index": index, "text": echo + text, "logprobs": block, "finish_reason": events[-1].finish_reason}
 
-    async def sse(events: asyncio.Queue, handle, ident: str, kind: str, usage: bool) -> AsyncIterator[str]:
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
+
+    def logprobs_block(entries: list[TokenLogprob], offset: int) -> dict:
+        """OpenAI's completions logprobs of these tokens, the first at character ``offset`` of the choice's text:
+        each token's text, its logprob, the top alternatives' (and its own) by text, where each text begins."""
+        block = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in entries:
+            top = None
+            if entry.logprob is not None:
+                top = {}
+                for token_id, logprob in [*entry.top, (entry.token_id, entry.logprob)]:
+                    top.setdefault(token_text(token_id), logprob)  # most likely first: a text two ids share keeps it
+            text = token_text(entry.token_id)
+            for key, value in zip(block, (text, entry.logprob, top, offset)):
+                block[key].append(value)
+            offset += len(text)
+        return block
+
+    async def sse(events: asyncio.Queue, handle, ident: str, kind: str, usage: bool,
+                  logprobs: bool) -> AsyncIterator[str]:
         chat = kind == "chat.completion"
         head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "model": model_name}
 
         def data(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        def chunk(text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
+        offset = 0  # where the next token's text begins in the whole answer (its logprobs' text_offset)
+
+        def chunk(text: str | None, finish_reason: str | None = None, role: bool = False,
+                  event: Event | None = None) -> str:
+            nonlocal offset
             if chat:  # a delta: the first names the speaker, the last is empty beside its finish_reason
                 delta = ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                block = None
+                if logprobs and event is not None:
+                    block = logprobs_block(event.logprobs or [], offset)
+                    offset += sum(map(len, block["tokens"]))
+                choice = {"index": 0, "text": text or "", "logprobs": block, "finish_reason": finish_reason}
             return data(head | {"created": int(time.time()), "choices": [choice]})
 
         finished = False
@@ -391,8 +509,8 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
                         out.append(data({"error": {"message": message, "type": "server_error", "param": None,
                                                    "code": "server_error"}}))
                         break
-                    if event.text:
-                        out.append(chunk(event.text))
+                    if event.text or (logprobs and event.logprobs):  # a token's logprob goes out with it
+                        out.append(chunk(event.text, event=event))
                     if finished:
                         out.append(chunk(None, event.finish_reason))
                         if usage:
@@ -407,8 +525,42 @@ def create_app(engine: Engine, *, model_name: str, api_keys: Sequence[str] = (),
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "llmscratch"}]}
+        return {"object": "list", "data": [await model(model_name)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves {model_name!r}",
+                           "model_not_found", "model")
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "llmscratch"}
+
+    # vLLM's tokenizer routes, which lm-evaluation-harness uses as its tokenizer when a server offers them (the
+    # guard asks for a key there too)
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        eos = None if tokenizer.eot_token is None else tokenizer.decode([tokenizer.eot_token])
+        bos = getattr(tokenizer, "bos_id", None)
+        return {"eos_token": eos, "bos_token": None if bos is None else tokenizer.decode([bos]),
+                "model_max_length": engine.context_length, "tokenizer_class": type(tokenizer).__name__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await run_in_threadpool(parse_body, await request.body(), TokenizeRequest)
+        fits(utf8_length(body.prompt, "prompt"), "prompt")  # bounded work, as for a prompt
+
+        def encode() -> list[int]:
+            ids = tokenizer.encode(body.prompt, allowed_special="all")
+            return with_bos(tokenizer, ids) if body.add_special_tokens else ids
+        ids = await run_in_threadpool(encode)
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await run_in_threadpool(parse_body, await request.body(), DetokenizeRequest)
+        if len(body.tokens) > engine.context_length or any(not 0 <= i < engine.vocab_size for i in body.tokens):
+            raise APIError(400, f"tokens: at most {engine.context_length} ids, each in 0..{engine.vocab_size - 1}",
+                           "invalid_value", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/health")
     async def health():

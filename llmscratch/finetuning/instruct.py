@@ -99,6 +99,37 @@ def format_chat(messages: Sequence[dict]) -> str:
     return f"{header}\n\n" + "".join(turns)
 
 
+# ``format_chat`` as a Jinja chat template, for an exported model's tokenizer_config.json: transformers'
+# apply_chat_template(messages, add_generation_prompt=True) renders what format_chat returns, character for
+# character, and raises (raise_exception) where it raises. The prompt always ends where the answer starts, so
+# add_generation_prompt changes nothing. (tests/test_tokenizer_export.py holds the two to each other.)
+CHAT_TEMPLATE = r"""{%- set ns = namespace(header='HEADER', turns='', open=false) -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'system' -%}
+        {%- if not loop.first -%}
+            {{- raise_exception('message ' ~ loop.index0 ~ ': a system message can only come first') -}}
+        {%- endif -%}
+        {%- set ns.header = message['content'] -%}
+    {%- elif message['role'] == 'user' -%}
+        {%- set ns.turns = ns.turns ~ '### Instruction:\n' ~ message['content'] ~ '\n\n### Response:\n' -%}
+        {%- set ns.open = true -%}
+    {%- elif message['role'] == 'assistant' -%}
+        {%- if not ns.open -%}
+            {{- raise_exception('message ' ~ loop.index0 ~ ': an assistant message must answer a user message') -}}
+        {%- endif -%}
+        {%- set ns.turns = ns.turns ~ message['content'] ~ '\n\n' -%}
+        {%- set ns.open = false -%}
+    {%- else -%}
+        {{- raise_exception('message ' ~ loop.index0 ~ ": role '" ~ message['role'] ~ "' is not one of system, "
+                            ~ 'user, assistant') -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if not ns.open -%}
+    {{- raise_exception("the last message must be the user's (there is nothing to answer)") -}}
+{%- endif -%}
+{{- ns.header ~ '\n\n' ~ ns.turns -}}""".replace("HEADER", HEADER)
+
+
 def encode_records(records: Sequence[dict], tokenizer,
                    context_length: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, output ids) per record, encoded apart: the prompt's ids are those seen at inference

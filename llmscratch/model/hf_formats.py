@@ -1,8 +1,9 @@
 """Hugging Face's model families in our terms: each family's ``config.json`` and tensor names, both ways.
 
-Six families map onto the one ``GPT`` (``llmscratch.model.gpt``):
-- gpt2: LayerNorm, GELU, learned positions, biases;
+Seven families map onto the one ``GPT`` (``llmscratch.model.gpt``):
+- gpt2: LayerNorm, GELU (or squared ReLU), learned positions, biases;
 - llama: RMSNorm, SwiGLU, RoPE, grouped-query attention;
+- arcee: Llama with a plain up/down MLP, squared ReLU (or GELU) between: the shape the course trains;
 - qwen3: Llama with QK-norm (and a head size of its own, no biases);
 - gemma3_text: Qwen3's attention with a GeGLU MLP, norms after each sublayer too, scaled embeddings,
   sliding-window layers between the global ones (each kind with its own RoPE base), and norm gains
@@ -22,10 +23,10 @@ from llmscratch.model.config import GPTConfig
 __all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "family_of", "hf_to_ours", "language_model_tensors",
            "ours_to_hf", "size_fields"]
 
-FAMILIES = ("gpt2", "llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
+FAMILIES = ("gpt2", "llama", "arcee", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "arcee": "ArceeForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 # HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
 _GPT2_LAYER = {  # ours -> HF, inside block i / h.i; "T" marks a transposed Conv1D weight
@@ -39,6 +40,9 @@ _GPT2_LAYER = {  # ours -> HF, inside block i / h.i; "T" marks a transposed Conv
 # An expert's three matrices: ours (stacked over experts) -> each family's name for one expert's
 _EXPERT_NAMES = {"qwen3_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
                  "mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
+# Our plain MLPs' activations under transformers' names (its ACT2FN): GPT-2's own, and Arcee's
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu2": "relu2"}
+_PLAIN_ACTIVATIONS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu"}
 # Buffers some GPT-2 checkpoints carry (the causal mask): derived, never needed.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -99,14 +103,15 @@ def _gpt2_config(hf: ConfigFields) -> dict:
         raise ValueError(f"{hf.source}: GPT-2 option scale_attn_weights=false is not supported: our attention "
                          "always divides the scores by sqrt(head_dim)")
     activation = hf.text("activation_function", "gelu_new")
-    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+    if activation not in _GPT2_ACTIVATIONS:
         raise ValueError(f"{hf.source}: GPT-2 activation {activation!r} is not supported; "
-                         "expected the tanh GELU ('gelu_new')")
+                         "expected the tanh GELU ('gelu_new') or squared ReLU ('relu2')")
     width, heads = hf.size("n_embd"), hf.count("n_head")
     if width % heads:
         raise hf.problem("n_embd", f"a multiple of n_head={heads}")
     return dict(vocab_size=hf.size("vocab_size"), context_length=hf.size("n_positions"), d_model=width,
                 n_layers=hf.count("n_layer"), n_heads=heads, d_ff=hf.size("n_inner", None),
+                mlp=_GPT2_ACTIVATIONS[activation],
                 norm_eps=hf.number("layer_norm_epsilon", 1e-5), tie_embeddings=hf.flag("tie_word_embeddings", True))
 
 
@@ -133,20 +138,21 @@ def _decoder_config(hf: ConfigFields, family: str) -> dict:
         raise hf.problem("head_dim" if hf.has("head_dim") else "hidden_size",
                          "such that each head's width is even (RoPE turns pairs)", head_dim)
     activation = hf.text("hidden_activation" if family == "gemma3_text" else "hidden_act")
-    expected_activation = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
-    if activation not in (None, expected_activation):
+    expected = {"gemma3_text": ("gelu_pytorch_tanh",), "arcee": tuple(_PLAIN_ACTIVATIONS)}.get(family, ("silu",))
+    if activation not in (None, *expected):
         raise ValueError(f"{hf.source}: {family} activation {activation!r} is not supported; "
-                         f"expected {expected_activation!r}")
+                         f"expected {' or '.join(map(repr, expected))}")
     bias = hf.flag("attention_bias", False)
-    if family == "llama" and hf.flag("mlp_bias", False) != bias:
+    if family in ("llama", "arcee") and hf.flag("mlp_bias", False) != bias:
         raise ValueError(f"{hf.source}: attention_bias and mlp_bias must be equal (both biases or none)")
-    if family != "llama" and bias:
+    if family not in ("llama", "arcee") and bias:
         raise ValueError(f"{hf.source}: attention_bias=true is not supported for {family}: its MLP has no biases, "
                          "ours would")
     fields = dict(
         vocab_size=hf.size("vocab_size"), context_length=hf.size("max_position_embeddings"), d_model=width,
         n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, d_ff=hf.size("intermediate_size"), norm="rmsnorm",
-        mlp="swiglu", position="rope", qkv_bias=bias, bias=bias, norm_eps=hf.number("rms_norm_eps", 1e-6),
+        mlp=_PLAIN_ACTIVATIONS[activation or "relu2"] if family == "arcee" else "swiglu", position="rope",
+        qkv_bias=bias, bias=bias, norm_eps=hf.number("rms_norm_eps", 1e-6),
         tie_embeddings=hf.flag("tie_word_embeddings", family == "gemma3_text"),
         head_size=None if head_dim * heads == width else head_dim,
         qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
@@ -170,7 +176,7 @@ def _layer_types(hf: ConfigFields, n_layers: int) -> tuple[str, ...] | None:
 
 def _sliding_fields(hf: ConfigFields, family: str, n_layers: int, types: tuple[str, ...] | None) -> dict:
     window = hf.size("sliding_window", None)
-    if family == "llama" or window is None or (family in ("qwen3", "qwen3_moe")
+    if family in ("llama", "arcee") or window is None or (family in ("qwen3", "qwen3_moe")
                                                and not hf.flag("use_sliding_window", False)):
         return {}
     if family == "qwen3":  # the layers from max_window_layers on slide, unless layer_types says otherwise
@@ -227,17 +233,20 @@ def _moe_fields(hf: ConfigFields, family: str, n_layers: int) -> dict:
 
 
 def family_of(config: GPTConfig) -> str:
-    """The Hugging Face family (one of ``FAMILIES``) that can hold this configuration; ValueError if none can."""
-    if (config.norm, config.mlp, config.position) == ("layernorm", "gelu", "learned") \
-            and config.kv_heads == config.n_heads and config.qkv_bias and config.bias and not _later_fields(config):
-        return "gpt2"
-    if (config.norm, config.position) != ("rmsnorm", "rope") or config.qkv_bias != config.bias:
-        raise ValueError(f"this configuration is neither GPT-2 nor Llama shaped, so no Hugging Face "
-                         f"format holds it: {config}")
-    if config.n_experts is not None:
+    """The Hugging Face family (one of ``FAMILIES``) that can hold this configuration; ValueError naming what no
+    family has if none can."""
+    if (config.norm, config.position) == ("layernorm", "learned"):
+        family = "gpt2"
+    elif (config.norm, config.position) != ("rmsnorm", "rope"):
+        raise ValueError(f"this configuration has norm={config.norm} with position={config.position}, which no "
+                         f"Hugging Face family has (GPT-2: layernorm and learned; the others: rmsnorm and rope); "
+                         f"its safetensors export still holds it")
+    elif config.n_experts is not None:
         family = "qwen3_moe" if config.qk_norm else "mixtral"
     elif config.post_norms or config.scale_embeddings or config.mlp == "geglu":
         family = "gemma3_text"
+    elif config.mlp in ("relu2", "gelu"):
+        family = "arcee"
     else:
         family = "qwen3" if config.qk_norm else "llama"
     problems = _family_problems(config, family)
@@ -258,7 +267,9 @@ def _later_fields(config: GPTConfig) -> list[str]:
 
 # What each family has, of _later_fields' choices
 _FAMILY_CHOICES = {
+    "gpt2": set(),
     "llama": {"rope_scaling"},
+    "arcee": {"rope_scaling"},
     "qwen3": {"qk_norm", "sliding layers", "rope_scaling"},
     "gemma3_text": {"qk_norm", "sliding layers", "post_norms", "scale_embeddings", "query_scale", "rope_local_theta",
                     "rope_scaling", "mlp=geglu"},
@@ -269,14 +280,21 @@ _FAMILY_CHOICES = {
 
 def _family_problems(config: GPTConfig, family: str) -> list[str]:
     problems = [f"it has {name}" for name in _later_fields(config) if name not in _FAMILY_CHOICES[family]]
+    if family == "gpt2":
+        return problems + _gpt2_problems(config)
+    if config.qkv_bias != config.bias:
+        problems.append(f"its qkv_bias={config.qkv_bias} differs from bias={config.bias}")
+    if family in ("llama", "arcee", "gemma3_text") and config.d_model % config.n_heads:
+        problems.append(f"its d_model={config.d_model} is not a multiple of n_heads={config.n_heads} (heads pruned "
+                        f"away?), which transformers' {family} config refuses")
     if family == "gemma3_text":
         problems += [f"it lacks {name}" for name in ("qk_norm", "post_norms", "scale_embeddings", "mlp=geglu")
                      if name not in _later_fields(config)]
         if config.rope_scaling != 1 and config.rope_local_theta is None and "sliding" in config.attention_types:
             problems.append("its sliding layers share the full layers' scaled RoPE (Gemma's have their own base)")
-    elif config.mlp != "swiglu":
+    elif family != "arcee" and config.mlp != "swiglu":
         problems.append(f"its mlp is {config.mlp}")
-    if family != "llama" and config.bias:
+    if family not in ("llama", "arcee") and config.bias:
         problems.append("it has biases")
     if family in ("qwen3_moe", "mixtral", "llama") and "sliding" in config.attention_types \
             and "full" in config.attention_types:
@@ -290,14 +308,34 @@ def _family_problems(config: GPTConfig, family: str) -> list[str]:
     return problems
 
 
+def _gpt2_problems(config: GPTConfig) -> list[str]:
+    """What a LayerNorm model with learned positions has that GPT-2 does not."""
+    problems = [f"its mlp is {config.mlp}"] if config.mlp not in ("gelu", "relu2") else []
+    if not (config.qkv_bias and config.bias):
+        problems.append("it lacks biases")
+    if config.kv_heads != config.n_heads:
+        problems.append(f"it has grouped-query attention ({config.kv_heads} key/value heads)")
+    if config.head_dim * config.n_heads != config.d_model:
+        problems.append(f"its {config.n_heads} heads of {config.head_dim} do not make d_model={config.d_model}")
+    return problems
+
+
 def config_to_hf(config: GPTConfig) -> dict:
-    """The ``config.json`` transformers needs to rebuild this model."""
+    """The ``config.json`` transformers needs to rebuild this model.
+
+    Its special token ids are left out (None): each family's defaults name other vocabularies' tokens (Arcee's
+    128000); the tokenizer's files, written beside it, say which are ours.
+    """
     family = family_of(config)
+    return {**_family_config(config, family), "bos_token_id": None, "eos_token_id": None}
+
+
+def _family_config(config: GPTConfig, family: str) -> dict:
     if family == "gpt2":
         return {"architectures": [ARCHITECTURES[family]], "model_type": "gpt2",
                 "vocab_size": config.vocab_size, "n_positions": config.context_length,
                 "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
-                "n_inner": config.d_ff, "activation_function": "gelu_new",
+                "n_inner": config.d_ff, "activation_function": "relu2" if config.mlp == "relu2" else "gelu_new",
                 "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
                 "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout}
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -313,8 +351,10 @@ def config_to_hf(config: GPTConfig) -> dict:
           "attention_dropout": config.dropout}
     sliding = "sliding" in config.attention_types
     hf_types = ["sliding_attention" if t == "sliding" else "full_attention" for t in config.attention_types]
-    if family == "llama":
+    if family in ("llama", "arcee"):
         hf["mlp_bias"] = config.bias
+    if family == "arcee":
+        hf["hidden_act"] = "relu2" if config.mlp == "relu2" else "gelu_pytorch_tanh"
     elif family == "qwen3":
         hf.update(use_sliding_window=sliding, sliding_window=config.sliding_window, layer_types=hf_types,
                   max_window_layers=config.n_layers)
@@ -376,6 +416,8 @@ def _decoder_names(config: GPTConfig, family: str) -> list[tuple[str, str]]:
             names["mlp_norm.weight"] = "post_attention_layernorm.weight"
         if config.is_moe(i):
             names["mlp.router.weight"] = "block_sparse_moe.gate.weight" if family == "mixtral" else "mlp.gate.weight"
+        elif family == "arcee":  # a plain MLP: up, the activation, down
+            names.update({"mlp.fc.weight": "mlp.up_proj.weight", "mlp.proj.weight": "mlp.down_proj.weight"})
         else:
             names.update({f"mlp.{ours}.weight": f"mlp.{ours}_proj.weight" for ours in ("gate", "up", "down")})
         if config.bias:

@@ -2,16 +2,19 @@
 
 A checkpoint folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). ``load_hf`` maps each tensor to our names (``llmscratch.model.hf_formats``:
-GPT-2, Llama, Qwen3, Gemma 3, Qwen3-MoE, Mixtral) and fails, naming the tensor, on anything missing,
+GPT-2, Llama, Arcee, Qwen3, Gemma 3, Qwen3-MoE, Mixtral) and fails, naming the tensor, on anything missing,
 unexpected or mis-shaped, and naming config.json's field when a size does not fit the weights or the machine's memory:
-all before anything is allocated, with no file outside the folder read. ``save_hf`` writes the reverse.
+all before anything is allocated, with no file outside the folder read. ``save_hf`` writes the reverse
+(the course's squared-ReLU Llama as Arcee; a quantized model dequantized).
 ``load_model_and_tokenizer`` opens every source a chapter produces (a pretraining run folder,
 its checkpoint.pt or model.safetensors, a Hugging Face folder) with the tokenizer that fits it.
 """
 
+import dataclasses
 import json
 import os
 import re
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -230,16 +233,51 @@ def _hf_tokenizer(folder: Path, model: GPT) -> "BPETokenizer | SentencePieceBPE"
 def save_hf(model: GPT, path: str | os.PathLike) -> None:
     """Write ``config.json`` and ``model.safetensors`` that transformers' from_pretrained reads.
 
-    Each file is written whole or not at all (a temporary file renamed into place).
+    The model's shape is mapped to the Hugging Face family that holds it (``hf_formats.family_of``: the squared-ReLU
+    Llama the course trains is Arcee's) before anything is written: a shape with no home is a ValueError naming
+    what none has, and leaves no folder behind. A quantized model (``llmscratch.model.quantize``) is written
+    dequantized, as float32 weights; its quantized head, no longer the embedding's copy, apart from it. Each file
+    is written whole or not at all (a temporary file renamed into place); a folder this call made is removed
+    again if writing fails.
     """
     folder = Path(path)
+    config, state = _float_state(model)
+    hf_config = config_to_hf(config)
+    hf_config["torch_dtype"] = str(state["token_embedding.weight"].dtype).removeprefix("torch.")
+    tensors = ours_to_hf(state, config)
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    hf_config = config_to_hf(model.config)
-    hf_config["torch_dtype"] = str(model.token_embedding.weight.dtype).removeprefix("torch.")
-    tensors = ours_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
-    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})  # transformers ignores the checksum
-    text = json.dumps(hf_config, indent=2) + "\n"
-    write_text_atomically(folder / "config.json", text)
+    try:
+        write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})  # transformers ignores the checksum
+        write_text_atomically(folder / "config.json", json.dumps(hf_config, indent=2) + "\n")
+    except BaseException:
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _float_state(model: GPT) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The config to export and the weights under a float GPT's names, on the CPU: a quantized layer's ``weight``
+    is its dequantized matrix. A head that the config ties to the embedding but that holds other values (quantized
+    or LoRA-merged apart from it) is written untied. ValueError for a layer that holds no plain weight."""
+    adapters = sorted({name.rpartition(".")[0] for name in model.state_dict() if name.endswith(".lora_a")})
+    if adapters:
+        raise ValueError(f"the model has LoRA adapters ({', '.join(adapters[:3])}{' ...' if len(adapters) > 3 else ''}"
+                         f"): merge them into its weights first (llmscratch.finetuning.lora.merge_lora)")
+    with torch.device("meta"):
+        names = GPT(model.config).state_dict()
+    state = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        tensor = getattr(model.get_submodule(owner), leaf, None)
+        if tensor is None:
+            raise ValueError(f"the model's {owner} ({type(model.get_submodule(owner)).__name__}) holds no {leaf} "
+                             f"tensor, which a GPT of its config has: nothing to export for it")
+        state[name] = tensor.detach().cpu()
+    config = model.config
+    if config.tie_embeddings and not torch.equal(state["lm_head.weight"], state["token_embedding.weight"]):
+        config = dataclasses.replace(config, tie_embeddings=False)
+    return config, state
 
 
 GPT2_HUB_NAMES = {"gpt2-small": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",

@@ -17,7 +17,7 @@ import torch
 
 from llmscratch.cli import build_config
 from llmscratch.device import DTYPES, choose_dtype
-from llmscratch.files import remove_stale_temporaries, write_text_atomically
+from llmscratch.files import JSON_ERRORS, remove_stale_temporaries, write_text_atomically
 from llmscratch.interrupt import TrainingDiverged, exit_status, stop_on_signals
 from llmscratch.model.checkpoint import load_checkpoint, tokenizer_from_checkpoint
 from llmscratch.model.config import GPTConfig
@@ -35,11 +35,14 @@ from llmscratch.training.runlog import METRICS_FILE, PLOT_FILE, SAMPLE_FILE, SUM
 from llmscratch.training.train import CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, Trainer, TrainingStopped
 
 RUN_FILE = "run.json"  # the flags of the run, so that --resume needs no others
-TOKENIZER_FILE = "tokenizer.json"
+# The run's tokenizer in the package's own format, under a name of its own: a file named tokenizer.json is
+# Hugging Face's format only (llmscratch.text.hf_export writes one). Runs before that wrote ours under that name.
+TOKENIZER_FILE = "tokenizer.llmscratch.json"
+OLD_TOKENIZER_FILE = "tokenizer.json"
 MODEL_FILE = "model.safetensors"
 # What a run leaves in its folder: any of them means the folder holds a run (finished or not).
-RUN_OUTPUTS = (CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, MODEL_FILE, RUN_FILE, TOKENIZER_FILE, METRICS_FILE,
-               SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE)
+RUN_OUTPUTS = (CHECKPOINT_FILE, SHARDED_CHECKPOINT_DIR, MODEL_FILE, RUN_FILE, TOKENIZER_FILE, OLD_TOKENIZER_FILE,
+               METRICS_FILE, SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE)
 
 
 # --------------------------------------------------------------------------- the run folder
@@ -47,7 +50,8 @@ def read_run_flags(out_dir: Path) -> dict:
     """The flags of the run in ``out_dir``, with its own tokenizer; {"error": message} if there is no run.
 
     run.json holds them; the checkpoint holds a copy, used when run.json is lost or damaged. The
-    tokenizer is the run's tokenizer.json, or the one in the checkpoint if that file is gone.
+    tokenizer is the run's tokenizer file (tokenizer.llmscratch.json, or tokenizer.json in a run from before it
+    had that name), or the one in the checkpoint if that file is gone.
     """
     checkpoint, run_file = run_checkpoint(out_dir), out_dir / RUN_FILE
     if checkpoint is None:
@@ -72,8 +76,9 @@ def read_run_flags(out_dir: Path) -> dict:
         if not isinstance(flags, dict) or "data" not in flags:
             return {"error": f"--resume: {run_file} {problem}, and {checkpoint} holds no copy of the run's flags"}
         print(f"note: {run_file} {problem}; resuming with the flags saved in {checkpoint}", file=sys.stderr)
-    own = out_dir / TOKENIZER_FILE
-    return {**flags, "tokenizer": str(own if own.is_file() else checkpoint)}
+    own = next((out_dir / name for name in (TOKENIZER_FILE, OLD_TOKENIZER_FILE) if (out_dir / name).is_file()),
+               checkpoint)
+    return {**flags, "tokenizer": str(own)}
 
 
 def run_checkpoint(out_dir: Path) -> Path | None:
@@ -243,8 +248,20 @@ def remove_outputs(out_dir: Path) -> None:
 
 
 def save_run_files(out_dir: Path, flags: dict, tokenizer: BPETokenizer) -> None:
+    """The run's tokenizer and flags; an older run resumed here has its tokenizer.json (ours) renamed."""
     tokenizer.save(out_dir / TOKENIZER_FILE)
     write_text_atomically(out_dir / RUN_FILE, json.dumps(flags, indent=2) + "\n")
+    if _holds_our_tokenizer(out_dir / OLD_TOKENIZER_FILE):  # not a Hugging Face one exported into the folder
+        (out_dir / OLD_TOKENIZER_FILE).unlink()
+
+
+def _holds_our_tokenizer(path: Path) -> bool:
+    """Whether ``path`` is a tokenizer file in the package's own format (it names its "format")."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, *JSON_ERRORS):
+        return False
+    return isinstance(document, dict) and "format" in document
 
 
 def train_and_export(args, dist, tokenizer, train, val, model_config, train_config, say) -> dict | int:
