@@ -10,6 +10,7 @@ the sha256 in its metadata, a ``torch.save`` file against the CRC-32 of every zi
 being floating point and finite), and JSON and JSON-lines files name the file and line that is wrong.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -255,16 +256,9 @@ def read_safetensors(path: str | os.PathLike, tensors: bool = True) -> tuple[dic
     false) is a quick look, unchecked: the checksum needs every tensor's bytes.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"no safetensors file at {path}")
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            loaded = {name: f.get_tensor(name) for name in sorted(f.keys())} if tensors else {}
-    except (SafetensorError, OSError) as err:  # e.g. "incomplete metadata, file not fully covered"
-        raise ValueError(f"{path} is not a readable safetensors file (truncated, corrupt, or not a safetensors "
-                         f"file at all: {err}); "
-                         "copy or download it again") from None
+    with _opened_safetensors(path) as f:
+        metadata = f.metadata() or {}
+        loaded = {name: f.get_tensor(name) for name in sorted(f.keys())} if tensors else {}
     checksum = metadata.get(CHECKSUM_KEY) if tensors else None
     if checksum is not None and checksum != _content_digest(metadata, loaded.items()):  # loaded: in name order
         raise ValueError(f"{path} is damaged: its tensors or metadata no longer match the checksum written with "
@@ -277,14 +271,20 @@ def read_safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...
 
     A missing, truncated or foreign file is a ValueError naming it, as in ``read_safetensors``.
     """
-    path = Path(path)
+    with _opened_safetensors(Path(path)) as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+@contextlib.contextmanager
+def _opened_safetensors(path: Path):
+    """``safe_open(path)``; a missing, truncated or foreign file (opening checks that the header is whole and that
+    the file covers every tensor it lists) is a ValueError naming it."""
     if not path.is_file():
         raise ValueError(f"no safetensors file at {path}")
     try:
         with safe_open(path, framework="pt") as f:
-            names = f.keys()
-            return {name: tuple(f.get_slice(name).get_shape()) for name in names}
-    except (SafetensorError, OSError) as err:
+            yield f
+    except (SafetensorError, OSError) as err:  # e.g. "incomplete metadata, file not fully covered"
         raise ValueError(f"{path} is not a readable safetensors file (truncated, corrupt, or not a safetensors "
                          f"file at all: {err}); copy or download it again") from None
 
