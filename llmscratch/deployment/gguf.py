@@ -98,7 +98,7 @@ def _layer_names(config: GPTConfig) -> dict[str, str]:
     if config.mlp == "swiglu":
         names.update({"mlp.gate.weight": "ffn_gate.weight", "mlp.up.weight": "ffn_up.weight",
                       "mlp.down.weight": "ffn_down.weight"})
-    else:  # relu2: GELUMLP's fc and proj are the up and down projections
+    else:  # relu2: SquaredReLUMLP's fc and proj are the up and down projections
         names.update({"mlp.fc.weight": "ffn_up.weight", "mlp.proj.weight": "ffn_down.weight"})
     return names
 

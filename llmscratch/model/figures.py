@@ -1,6 +1,6 @@
 """Chapters 2 and 3's diagrams, drawn from the attention modules and models a notebook holds
-(``llmscratch.drawing``): which key/value head each query reads, the model's blocks, and a mixture of experts'
-load over training."""
+(``llmscratch.drawing``): which key/value head each query reads, the model's blocks, a sliding window's mask,
+a router's choices, and a mixture of experts' load over training."""
 
 from collections.abc import Sequence
 
@@ -11,8 +11,9 @@ from matplotlib.patches import Rectangle
 from torch import nn
 
 from llmscratch.drawing import BLUE, GREEN, GREY, ORANGE, arrow, box, canvas
-from llmscratch.model.attention import MultiHeadAttention, explicit_attention
+from llmscratch.model.attention import MultiHeadAttention, causal_mask, explicit_attention
 from llmscratch.model.gpt import GPT
+from llmscratch.model.moe import MoE, route
 
 
 def kv_head_of_each_query(attention: MultiHeadAttention) -> list[int]:
@@ -96,7 +97,7 @@ def draw_grouped_query(*attentions: MultiHeadAttention) -> Figure:
 
 
 def _hidden_width(mlp: nn.Module) -> int:
-    """The width an MLP expands to: the outputs of its first linear layer (GELUMLP's fc, SwiGLU's gate)."""
+    """The width an MLP expands to: the outputs of its first linear layer (a plain MLP's fc, SwiGLU's gate)."""
     return next(m for m in mlp.modules() if isinstance(m, nn.Linear)).out_features
 
 
@@ -147,6 +148,50 @@ def draw_gpt(*models: GPT) -> Figure:
     fig, axes = canvas(5.6 * len(models), 6.2, n_cols=len(models))
     for ax, model in zip(axes, models):
         _draw_one_gpt(ax, model)
+    fig.tight_layout()
+    return fig
+
+
+def draw_window_masks(seq_len: int, window: int) -> Figure:
+    """The full causal mask beside a sliding window's band (``causal_mask``): which keys each query may read."""
+    masks = {"full (causal)": causal_mask(seq_len, seq_len),
+             f"sliding, window={window}": causal_mask(seq_len, seq_len, window=window)}
+    fig = Figure(figsize=(8.4, 4.0))
+    for ax, (name, mask) in zip(fig.subplots(1, 2), masks.items()):
+        ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.3, gid=name)  # (T, T): rows are queries, columns keys
+        ax.set(xticks=range(seq_len), yticks=range(seq_len), xlabel="key position", ylabel="query position",
+               title=f"{name}: {int(mask.sum())} of {seq_len * seq_len} pairs")
+        ax.set_xticks([p - 0.5 for p in range(1, seq_len)], minor=True)
+        ax.set_yticks([p - 0.5 for p in range(1, seq_len)], minor=True)
+        ax.grid(which="minor", color="white", lw=1)
+        ax.tick_params(which="minor", length=0)
+    fig.tight_layout()
+    return fig
+
+
+def draw_routing(moe: MoE, tokens: torch.Tensor) -> Figure:
+    """Where a mixture of experts sends each of ``tokens`` (N, d): every expert's router probability, the k chosen
+    outlined with their weight in the mix, and the tokens each expert receives."""
+    with torch.no_grad():
+        weights, experts, probs = route(moe.router(tokens), moe.k, moe.norm_topk)  # (N, k), (N, k), (N, E)
+    n_tokens, n_experts = probs.shape
+    fig = Figure(figsize=(9.0, 0.36 * n_tokens + 1.6))
+    ax, ax_load = fig.subplots(1, 2, width_ratios=[2, 1])
+    image = ax.imshow(probs.numpy(), cmap="Blues", aspect="auto", gid="probabilities")  # from the lowest to the highest
+    for token, (row_weights, row_experts) in enumerate(zip(weights.tolist(), experts.tolist())):
+        for weight, expert in zip(row_weights, row_experts):
+            ax.add_patch(Rectangle((expert - 0.5, token - 0.5), 1, 1, fill=False, edgecolor="tab:orange", lw=2.5))
+            ax.text(expert, token, f"{weight:.2f}", ha="center", va="center", fontsize=8, color="tab:red",
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
+                    gid=f"token {token} -> expert {expert}")
+    ax.set(xticks=range(n_experts), yticks=range(n_tokens), xlabel="expert", ylabel="token",
+           title=f"router probabilities; the {moe.k} chosen outlined, with their weight")
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    load = torch.bincount(experts.flatten(), minlength=n_experts)  # (E,) tokens per expert
+    ax_load.bar(range(n_experts), load.tolist(), color=BLUE, edgecolor="0.35", gid="load")
+    ax_load.axhline(experts.numel() / n_experts, color="0.35", ls=":", lw=1, label="an even load")
+    ax_load.set(xticks=range(n_experts), xlabel="expert", ylabel="tokens routed to it", title="each expert's load")
+    ax_load.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

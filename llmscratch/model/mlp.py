@@ -1,10 +1,11 @@
-"""The feed-forward layers of a block: GPT-2's GELU MLP and the gated MLPs of Llama (SwiGLU) and Gemma (GeGLU)."""
+"""The feed-forward layers of a block: GPT-2's GELU MLP, the same shape through squared ReLU (the speedruns', and
+pretrain.py's default), and the gated MLPs of Llama (SwiGLU) and Gemma (GeGLU)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GATE_ACTIVATIONS", "GELUMLP", "SwiGLU"]
+__all__ = ["GATE_ACTIVATIONS", "GELUMLP", "MLP", "SquaredReLUMLP", "SwiGLU"]
 
 
 # What a gated MLP's gate goes through: SiLU (SwiGLU, Llama, Qwen, Mixtral) or the tanh GELU (GeGLU, Gemma)
@@ -15,22 +16,35 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 GATE_ACTIVATIONS = {"silu": F.silu, "gelu": gelu_tanh}
 
 
-class GELUMLP(nn.Module):
-    """GPT-2's feed-forward layer: expand, GELU (tanh approximation), project back.
+class MLP(nn.Module):
+    """The plain feed-forward layer: expand to ``hidden``, an activation, project back (two matrices).
 
-    squared_relu: max(0, x)^2 instead of GELU (the speedruns' choice; as sparse as ReLU, smooth at 0).
+    Its subclasses name the activation, so a printed model says what its MLP computes.
     """
 
-    def __init__(self, d_model: int, hidden: int, bias: bool, squared_relu: bool = False):
+    def __init__(self, d_model: int, hidden: int, bias: bool):
         super().__init__()
         self.fc = nn.Linear(d_model, hidden, bias=bias)
         self.proj = nn.Linear(hidden, d_model, bias=bias)
-        self.squared_relu = squared_relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.fc(x)  # (B, T, hidden)
-        hidden = F.relu(hidden).square() if self.squared_relu else F.gelu(hidden, approximate="tanh")
+        hidden = self.activation(self.fc(x))  # (B, T, hidden)
         return self.proj(hidden)  # (B, T, d_model)
+
+
+class GELUMLP(MLP):
+    """GPT-2's feed-forward layer: expand, GELU (tanh approximation), project back."""
+
+    def activation(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh(hidden)
+
+
+class SquaredReLUMLP(MLP):
+    """GPT-2's two matrices with max(0, x)^2 in place of GELU (Primer, So et al. 2021; the speedruns' choice and
+    pretrain.py's default): as sparse as ReLU, smooth at 0."""
+
+    def activation(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.relu(hidden).square()
 
 
 class SwiGLU(nn.Module):
