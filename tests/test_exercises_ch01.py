@@ -174,12 +174,12 @@ def special_tokens_dropping_the_old(tokenizer, tokens):
                         special_tokens={token: len(tokenizer.vocab) + i for i, token in enumerate(new)})
 
 
-def positions_module(table_of, trainable=False):
-    """A SinusoidalPositions look-alike whose table is ``table_of(context_length, d_model)``."""
+def positions_module(table_of, trainable=False, dtype=torch.float32):
+    """A SinusoidalPositions look-alike whose table is ``table_of(context_length, d_model)``, in ``dtype``."""
     class Positions(nn.Module):
         def __init__(self, context_length, d_model):
             super().__init__()
-            table = table_of(context_length, d_model).float()
+            table = table_of(context_length, d_model).to(dtype)
             if trainable:
                 self.table = nn.Parameter(table)
             else:
@@ -248,6 +248,7 @@ WRONG_ANSWERS = [
     ("SinusoidalPositions", positions_module(table_cos_first), "sin goes on the even dimensions"),
     ("SinusoidalPositions", positions_module(sin_cos, trainable=True), "register the table with register_buffer"),
     ("SinusoidalPositions", positions_module(table_by_dimension_index), "you used each dimension's own index"),
+    ("SinusoidalPositions", positions_module(sin_cos, dtype=torch.float64), "exactly torch.float32"),
 ]
 
 

@@ -128,6 +128,24 @@ def window_with(slip):
     return sliding_window_mask
 
 
+def window_as(kind):
+    """The right window, as numbers: 0/1 floats, an additive mask of 0 and -inf, 0/1 integers."""
+    def sliding_window_mask(input_pos, kv_len, window):
+        back = input_pos[:, None] - torch.arange(kv_len)  # (T, kv_len)
+        allowed = (back >= 0) & (back < window)
+        if kind == "additive":
+            return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        return allowed.to({"float": torch.float32, "long": torch.long}[kind])
+
+    return sliding_window_mask
+
+
+def window_by_tril(input_pos, kv_len, window):
+    """Right, written differently: a band of tril and triu over the full square, its rows of the queries taken."""
+    square = torch.ones(kv_len, kv_len, dtype=torch.bool)
+    return (square.tril() & square.triu(-(window - 1)))[input_pos]
+
+
 def route_with(slip):
     """route_top_k with one slip: weights not rescaled, f_e over tokens, no n_experts factor, P_e detached."""
     def route_top_k(logits, k):
@@ -204,6 +222,9 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
      "still causal"),
     ("sliding_window_mask", window_with("no window"), "input_pos=[0, 1, 2], kv_len=3, window=1",
      "the window is ignored"),
+    ("sliding_window_mask", window_as("float"), "input_pos=[0], kv_len=1, window=1", "return booleans"),
+    ("sliding_window_mask", window_as("additive"), "input_pos=[0], kv_len=1, window=1", "an additive mask"),
+    ("sliding_window_mask", window_as("long"), "input_pos=[0], kv_len=1, window=1", "return booleans"),
     ("route_top_k", route_with("not rescaled"), "logits of shape (1, 2), k=1: the weights", "sum to 1"),
     ("route_top_k", route_with("over tokens"), "logits of shape (3, 2), k=2: the balancing loss",
      "not of the N tokens"),
@@ -246,3 +267,7 @@ def test_the_greedy_cases_generate_more_than_one_token_value():
     model = ch03_fixtures.small_gpt(True, seed=4)
     idx = torch.tensor([[1, 2, 3, 47]])
     assert len(set(ch03.generate(model, idx, 10)[0, 4:].tolist())) > 2  # a check on repeats would be no check
+
+
+def test_a_sliding_window_written_with_tril_and_triu_passes():
+    assert ch03.CHAPTER.check(window_by_tril, "sliding_window_mask", quiet=True).status == "passed"

@@ -42,6 +42,34 @@ def int8_unguarded(weight):
     return torch.round(weight / scales[:, None]).nan_to_num(0.0).clamp(-127, 127).to(torch.int8), scales
 
 
+def int8_floored(floor, before_division=False):
+    """A fixed floor on the scales (1e-8, float32's eps, ...): a row of tiny weights flattened to zeros."""
+    def answer(weight):
+        largest = weight.abs().amax(dim=1)
+        scales = largest.clamp(min=floor) / 127 if before_division else (largest / 127).clamp(min=floor)
+        return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+    return answer
+
+
+def int8_scales_as(dtype):
+    def answer(weight):
+        q, scales = sol.quantize_rows_int8(weight)
+        return q, scales.to(dtype)
+    return answer
+
+
+def int8_by_default_argument(weight, quantize=quantize_int8):
+    """The function the exercise takes away, bound as a default argument when the answer was defined."""
+    return quantize(weight)
+
+
+def int8_where_zero(weight):
+    """Right, written differently: a row of zeros gets the scale 1, the others max |w| / 127, in float64 first."""
+    largest = weight.double().abs().amax(dim=1)
+    scales = torch.where(largest == 0, torch.ones_like(largest), largest / 127).float()
+    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
 def int8_as_floats(weight):
     q, scales = sol.quantize_rows_int8(weight)
     return q.float(), scales
@@ -94,6 +122,32 @@ def distill_naive(student_logits, teacher_logits, targets, temperature, alpha):
     q = torch.softmax(student_logits.reshape(-1, vocab) / temperature, dim=-1)
     p = torch.softmax(teacher_logits.reshape(-1, vocab) / temperature, dim=-1)
     kl = (p * (p.log() - q.log())).sum(-1)[targets.reshape(-1) != IGNORE_INDEX].mean()
+    hard = F.cross_entropy(student_logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    return alpha * temperature**2 * kl + (1 - alpha) * hard
+
+
+def distill_by_distributions(student_logits, teacher_logits, targets, temperature, alpha, probs=False):
+    """The KL of torch.distributions: inf where the student's probability underflows (large logits)."""
+    vocab = student_logits.size(-1)
+    student, teacher = student_logits.reshape(-1, vocab) / temperature, teacher_logits.reshape(-1, vocab) / temperature
+    if probs:
+        p, q = (torch.distributions.Categorical(probs=z.softmax(-1)) for z in (teacher, student))
+    else:
+        p, q = torch.distributions.Categorical(logits=teacher), torch.distributions.Categorical(logits=student)
+    counted = targets.reshape(-1) != IGNORE_INDEX
+    kl = torch.distributions.kl_divergence(p, q)[counted].sum() / counted.sum()
+    hard = F.cross_entropy(student_logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    return alpha * temperature**2 * kl + (1 - alpha) * hard
+
+
+def distill_by_logsumexp(student_logits, teacher_logits, targets, temperature, alpha):
+    """Right, written differently: log-probabilities as z - logsumexp(z), the KL summed per token then averaged."""
+    vocab = student_logits.size(-1)
+    student, teacher = student_logits.reshape(-1, vocab) / temperature, teacher_logits.reshape(-1, vocab) / temperature
+    log_q = student - student.logsumexp(-1, keepdim=True)
+    log_p = teacher - teacher.logsumexp(-1, keepdim=True)
+    counted = targets.reshape(-1) != IGNORE_INDEX
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)[counted].mean()
     hard = F.cross_entropy(student_logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX)
     return alpha * temperature**2 * kl + (1 - alpha) * hard
 
@@ -157,6 +211,28 @@ def w8a8_with(**slip):
     return lambda x, q, scales: w8a8_linear64(x, q, scales, **slip).float()
 
 
+def w8a8_zero_scale(cast):
+    """No floor on the token scale: a token of zeros is 0 / 0 = NaN, cast to integers (undefined), times a 0 scale."""
+    def answer(x, q, scales):
+        x_scales = x.abs().amax(dim=-1, keepdim=True) / 127
+        ratio = torch.round(x / x_scales).clamp(-127, 127)
+        if cast == "copy":
+            x_q = torch.empty(ratio.shape, dtype=torch.int32)
+            x_q.copy_(ratio)
+        else:
+            x_q = ratio.to(torch.int32) if cast == "int32" else ratio.long()
+        return (x_q @ q.to(x_q.dtype).T).float() * x_scales * scales
+    return answer
+
+
+def w8a8_where_zero(x, q, scales):
+    """Right, written differently: a token of zeros gets the scale 1; the sums in int64."""
+    largest = x.abs().amax(dim=-1, keepdim=True)
+    x_scales = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    x_q = torch.round(x / x_scales).clamp(-127, 127).long()
+    return (x_q @ q.long().T).float() * x_scales * scales
+
+
 def w8a8_int8_matmul(x, q, scales):
     """The integers multiplied as int8 tensors: torch keeps the sums in int8, which wrap around."""
     x_scales = x.abs().amax(dim=-1, keepdim=True) / 127
@@ -177,6 +253,14 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("quantize_rows_int8", int8_with(rounding="floor"), "weight [[0.7, -1, -0.2]]: q", "not down"),
     ("quantize_rows_int8", int8_unguarded, "weight [[0, 0, 0], [1.5, -0.4, 0.8]]", "a row of zeros needs"),
     ("quantize_rows_int8", int8_as_floats, "weight [[1]]: q", "return q as int8"),
+    ("quantize_rows_int8", int8_scales_as(torch.float64), "weight [[1]]: the scales", "exactly torch.float32"),
+    ("quantize_rows_int8", int8_scales_as(torch.bfloat16), "weight [[1]]: the scales", "exactly torch.float32"),
+    ("quantize_rows_int8", int8_by_default_argument, "weight [[1]]", "write it without quantize_int8"),
+    ("quantize_rows_int8", int8_floored(1e-8), "weight [[3e-30, -1e-30, 2e-30]]", "a fixed floor such as 1e-8"),
+    ("quantize_rows_int8", int8_floored(torch.finfo(torch.float32).eps), "weight [[3e-30, -1e-30, 2e-30]]",
+     "a fixed floor"),
+    ("quantize_rows_int8", int8_floored(1e-12, before_division=True), "weight [[3e-30, -1e-30, 2e-30]]",
+     "a fixed floor"),
     ("pack_int4_pairs", packing_with(swapped=True), "q [[-7, 7]]", "yours are swapped"),
     ("pack_int4_pairs", packing_with(offset=0), "q [[-7, 7]]", "store q + 8"),
     ("pack_int4_pairs", packing_with(offset=7), "q [[-7, 7]]", "add 8, not 7"),
@@ -189,6 +273,8 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("dequantize_int4_groups", unpacking_with(one_scale=True), "scales [[0.1, 2]]", "not the row's first"),
     ("dequantize_int4_groups", lambda packed, scales: dequantize_int4_64(packed, 1 / scales).float(),
      "the values [[-7, 3]]", "do not divide"),
+    ("dequantize_int4_groups", lambda packed, scales: dequantize_int4_64(packed, scales), "the values [[-7, 3]]",
+     "exactly torch.float32"),
     ("magnitude_masks", masks_with(largest=True), "weights [[[0.5, -0.5, 0.1, 0.5]]], sparsity=0.5",
      "not the largest"),
     ("magnitude_masks", masks_by_threshold, "weights [[[0.5, -0.5, 0.1, 0.5]]], sparsity=0.5", "a threshold"),
@@ -213,6 +299,9 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("distill_loss", distill_with(soft_cross_entropy=True), "alpha=0.7", "is not softened"),
     ("distill_loss", distill_with(summed=True), "alpha=0.7 (ignored targets)", "not their sum"),
     ("distill_loss", distill_naive, "(large logits)", "log(0) = -inf"),
+    ("distill_loss", distill_by_distributions, "(large logits)", "torch.distributions.kl_divergence"),
+    ("distill_loss", lambda *args: distill_by_distributions(*args, probs=True), "(large logits)",
+     "inf for large logits"),
     ("distill_loss", distill_student_detached, "the gradient with respect to student_logits", "no .detach()"),
     ("distill_loss", distill_item, "the gradient with respect to student_logits", "no .item()"),
     ("tokens_per_round", lambda a, k: sum(a**i for i in range(k)), "tokens_per_round(1.0, k=4)", "k + 1 terms"),
@@ -250,6 +339,10 @@ WRONG = [  # (exercise, wrong answer, the smallest failing input it must report,
     ("w8a8_linear", w8a8_with(x_scaled=False), "x [[1, -0.3]]", "both scales"),
     ("w8a8_linear", w8a8_with(rounding="trunc"), "x tensor of shape (4, 16)", "truncates towards zero"),
     ("w8a8_linear", w8a8_with(scales_across=True), "x [[0, 0], [0.2, -0.9]]", "along the tokens"),
+    ("w8a8_linear", w8a8_zero_scale("int32"), "x [[0, 0], [0.2, -0.9]]", "a token of zeros needs a positive scale"),
+    ("w8a8_linear", w8a8_zero_scale("long"), "x [[0, 0], [0.2, -0.9]]", "a token of zeros needs a positive scale"),
+    ("w8a8_linear", w8a8_zero_scale("copy"), "x [[0, 0], [0.2, -0.9]]", "a token of zeros needs a positive scale"),
+    ("w8a8_linear", lambda x, q, scales: w8a8_linear64(x, q, scales), "x [[1, -0.3]]", "exactly torch.float32"),
 ]
 
 
@@ -367,3 +460,10 @@ def test_an_answer_that_calls_the_function_it_rebuilds_fails_and_says_so():
         assert result.status == "failed" and "rebuilding it from simpler operations is the exercise" in result.detail, \
             str(result)
     assert "write it without distillation_loss" in verdict(distillation_loss, "distill_loss").detail
+
+
+@pytest.mark.parametrize("name, answer", [("quantize_rows_int8", int8_where_zero), ("w8a8_linear", w8a8_where_zero),
+                                          ("distill_loss", distill_by_logsumexp)])
+def test_a_right_answer_written_differently_passes(name, answer):
+    result = verdict(answer, name)
+    assert result.status == "passed", str(result)

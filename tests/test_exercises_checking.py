@@ -1,5 +1,6 @@
 """The machinery every exercise check shares: verdicts, the smallest failing case, hints, the command line."""
 
+import functools
 import subprocess
 import sys
 
@@ -121,6 +122,54 @@ def test_a_forbidden_function_fails_the_answer_that_calls_it_and_is_back_after_t
         assert "input:    softmax([[0.0, 0.0]])" in verdict.detail
     assert F.softmax is original and imported_softmax is original and torch.nn.functional.softmax is original
     assert softmax_chapter().check(softmax_by_hand, "softmax", quiet=True).status == "passed"  # the checker's F.softmax
+
+
+def held_forbidden_answers():
+    """Answers that reach F.softmax through what they hold, not by its name at call time."""
+    kept = functools.partial(F.softmax, dim=-1)
+    table = {"softmax": F.softmax}
+
+    class Holder:
+        function = staticmethod(F.softmax)
+
+    def closing_over(function):
+        return lambda x: function(x, dim=-1)
+
+
+    def by_default(x, function=F.softmax):
+        return function(x, dim=-1)
+
+    def by_keyword_default(x, *, function=imported_softmax):
+        return function(x, dim=-1)
+
+    return {"a default argument": by_default, "a keyword-only default": by_keyword_default,
+            "a functools.partial": lambda x: kept(x), "a dict of functions": lambda x: table["softmax"](x, dim=-1),
+            "a lambda's closure": closing_over(F.softmax), "a class attribute": lambda x: Holder.function(x, dim=-1),
+            "getattr by string": lambda x: getattr(F, "soft" + "max")(x, dim=-1)}
+
+
+@pytest.mark.parametrize("way", list(held_forbidden_answers()))
+def test_a_forbidden_function_fails_however_the_answer_holds_it(way):
+    original_code = F.softmax.__code__
+    verdict = softmax_chapter().check(held_forbidden_answers()[way], "softmax", quiet=True)
+    assert verdict.status == "failed" and "write it without F.softmax" in verdict.detail, str(verdict)
+    assert F.softmax.__code__ is original_code and F.softmax.__defaults__ == (None, 3, None)
+    assert torch.allclose(F.softmax(torch.zeros(2), dim=-1), torch.full((2,), 0.5))  # the function works again
+
+
+def test_a_forbidden_builtin_fails_however_the_answer_holds_it():
+    from llmscratch.exercises import ch02
+
+    def grouped_query_attention(q, k, v, attend=F.scaled_dot_product_attention):
+        group = q.size(1) // k.size(1)
+        return attend(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=q.size(2) == k.size(2))
+
+    table = {"attend": F.scaled_dot_product_attention}
+    for answer in (grouped_query_attention, lambda q, k, v: grouped_query_attention(q, k, v, table["attend"])):
+        verdict = ch02.CHAPTER.check(answer, "grouped_query_attention", quiet=True)
+        assert verdict.status == "failed" and "write it without F.scaled_dot_product_attention" in verdict.detail, \
+            str(verdict)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
 def test_integer_results_must_have_the_exact_dtype():

@@ -380,7 +380,8 @@ def check_sinusoidal_positions(answer) -> int:
                 "the exponent is 2i / d_model (i the pair's index), not i / d_model":
                     lambda: sinusoids(context_length, d_model, "pair")[positions],
             }, "PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d_model))")
-            expect_close(got, sinusoids(context_length, d_model)[positions].float(), case=call, hint=hint)
+            expect_close(got, sinusoids(context_length, d_model)[positions].float(), case=call, hint=hint,
+                         dtype=torch.float32)
             passed += 1
     return passed + _check_sinusoids_in_gpt(answer)
 

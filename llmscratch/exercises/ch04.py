@@ -131,7 +131,7 @@ def check_adamw_step(answer) -> int:
                 hint, "exp_avg = beta1 * exp_avg + (1 - beta1) * grad (without bias correction: that is only for "
                       "the update)", "exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad ** 2")):
             expect_close(got_part, expected_part, case=f"{case}: the returned {name}", hint=part_hint,
-                         atol=1e-12, rtol=1e-9)
+                         atol=1e-12, rtol=1e-9, dtype=torch.float64)
     return len(cases)
 
 

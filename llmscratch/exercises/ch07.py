@@ -16,8 +16,9 @@ import torch
 from llmscratch.deployment.distill import distillation_loss
 from llmscratch.deployment.prune import block_linears
 from llmscratch.deployment.speculative import acceptance_probability, expected_tokens_per_round, residual_distribution
-from llmscratch.exercises.ch07_references import (accept64, dequantize_int4_64, distill64, int8_scales64, int8_values,
-                                                  keep_masks, pack_int4_64, two_four_mask, w8a8_linear64)
+from llmscratch.exercises.ch07_references import (accept64, dequantize_int4_64, distill64, distill_by_distributions,
+                                                  int8_scales64, int8_values, keep_masks, pack_int4_64, two_four_mask,
+                                                  w8a8_linear64)
 from llmscratch.exercises.checking import (Chapter, Mismatch, attempt, describe, diagnose, diagnose_nonfinite,
                                            expect_close, expect_equal, fresh_generator, number_of, random_bool,
                                            random_float, random_int, random_seed)
@@ -73,6 +74,19 @@ def _rows(shape: tuple, generator: torch.Generator) -> torch.Tensor:
 # --------------------------------------------------------------------------- write it yourself: quantization
 ZERO_ROW_HINT = ("a row of zeros needs a positive scale (clamp the scale to at least torch.finfo(torch.float32).tiny): "
                  "a zero scale makes w / scale = 0 / 0 = NaN, whose int8 is undefined")
+ZERO_TOKEN_HINT = ("a token of zeros needs a positive scale (clamp max |x| to at least torch.finfo(torch.float32).tiny): "
+                   "a zero scale makes x / scale = 0 / 0 = NaN, whose integer is undefined, right here only by "
+                   "accident")
+FLOOR_HINT = ("a fixed floor such as 1e-8 flattens a row of tiny weights to zeros: clamp to "
+              "torch.finfo(torch.float32).tiny, the smallest normal float32, so a row of tiny weights keeps its own scale")
+
+
+def _floored(expected: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """The scales with the floor that ``got`` gives the tiniest row (a fixed floor's mistake), if that floor is small."""
+    floor = float(got.detach().double()[expected.argmin()])
+    if not 0 < floor <= 1e-4:
+        raise ValueError(f"{floor} is no small fixed floor")  # diagnose: no match
+    return expected.double().clamp(min=floor)
 
 
 @CHAPTER.exercise("quantize_rows_int8", title="int8 weights: one scale per row", difficulty="warm-up",
@@ -87,7 +101,8 @@ def check_quantize_rows_int8(answer) -> int:
     cases += [_rows((random_int(fresh, 1, 8), random_int(fresh, 1, 16)), fresh) for _ in range(2)]  # no table holds
     for weight in cases:
         case = f"weight {_shown(weight)}"
-        q, scales = _pair(attempt(answer, weight.clone(), case=case), case, "(q, scales)")
+        q, scales = _pair(attempt(answer, weight.clone(), case=case, nonfinite_cast=ZERO_ROW_HINT), case,
+                          "(q, scales)")
         expected_q, expected_scales = quantize_int8(weight)
         zero_rows = weight.abs().amax(dim=1) == 0  # (out,)
         if zero_rows.any() and isinstance(scales, torch.Tensor) and scales.shape == expected_scales.shape:
@@ -111,8 +126,10 @@ def check_quantize_rows_int8(answer) -> int:
                 lambda: int8_scales64(weight, levels=255),
             "the scale is the step between two levels: the largest |w| divided by 127":
                 lambda: int8_scales64(weight, levels=1),
+            FLOOR_HINT: lambda: _floored(expected_scales, scales),
         }, "scales[i] = max |weight[i]| / 127, one per row (a row of zeros: any positive scale)", atol=0.0)
-        expect_close(scales, expected_scales, case=f"{case}: the scales", hint=hint, atol=0.0, rtol=1e-5)
+        expect_close(scales, expected_scales, case=f"{case}: the scales", hint=hint, atol=0.0, rtol=1e-5,
+                     dtype=torch.float32)
         if not (isinstance(q, torch.Tensor) and q.dtype == torch.int8):
             raise Mismatch(f"{case}: q", "an int8 tensor", describe(q) + (f" of dtype {q.dtype}" if isinstance(
                 q, torch.Tensor) else ""), "return q as int8 (.to(torch.int8)): one byte per weight is the point")
@@ -189,7 +206,8 @@ def check_dequantize_int4_groups(answer) -> int:
             "multiply the values by their scale, do not divide": lambda: dequantize_int4_64(packed, 1 / scales),
         }, "weight[i, c] = (nibble c of row i - 8) * scales[i, c // group_size], group_size = in / scales.size(1)",
             atol=1e-6)
-        expect_close(got, dequantize_int4(packed, scales), case=case, hint=hint, atol=1e-6, rtol=1e-6)
+        expect_close(got, dequantize_int4(packed, scales), case=case, hint=hint, atol=1e-6, rtol=1e-6,
+                     dtype=torch.float32)
     return len(cases)
 
 
@@ -274,6 +292,9 @@ def check_magnitude_masks(answer) -> int:
 
 
 # --------------------------------------------------------------------------- write it yourself: distillation
+KL_INF_HINT = ("your loss is inf for large logits: where a probability of the student underflows to 0, "
+               "torch.distributions.kl_divergence (as log(softmax(x)) would) makes p * log(p / q) infinite; take "
+               "log-probabilities with F.log_softmax and write the KL as p * (log p - log q), which stays finite")
 DISTILL_NONFINITE = ("your loss has inf or NaN: log(softmax(x)) is log(0) = -inf where a probability underflows; "
                      "take log-probabilities with F.log_softmax and write the KL as p * (log p - log q)")
 
@@ -321,6 +342,7 @@ def check_distill_loss(answer) -> int:
             "the cross-entropy against the targets is not softened: F.cross_entropy(student_logits, targets)":
                 lambda: slip(soft_cross_entropy=True),
             "the mean over the counted tokens, not their sum": lambda: slip(summed=True),
+            KL_INF_HINT: lambda: distill_by_distributions(student, teacher, targets, temperature, alpha),
         }, "alpha * T^2 * mean over counted tokens of KL(softmax(teacher / T) || softmax(student / T)) "
            "+ (1 - alpha) * cross-entropy(student_logits, targets)", hint=DISTILL_NONFINITE)
         expected_leaf = student.clone().requires_grad_(True)
@@ -537,7 +559,7 @@ def check_w8a8_linear(answer) -> int:
                          random_int(fresh, 1, 8), random_int(fresh, 1, 32), fresh) for _ in range(2)]
     for x, q, scales in cases:
         case = f"x {_shown(x)}, q {_shown(q)}, scales {_shown(scales)}"
-        got = attempt(answer, x.clone(), q.clone(), scales.clone(), case=case)
+        got = attempt(answer, x.clone(), q.clone(), scales.clone(), case=case, nonfinite_cast=ZERO_TOKEN_HINT)
         slip = functools.partial(w8a8_linear64, x, q, scales)  # one slip a keyword
         hint = diagnose(got, {
             "quantize the activations too, each token (row of x) to int8 with its own scale: that is what W8A8 "
@@ -554,5 +576,6 @@ def check_w8a8_linear(answer) -> int:
             "along the outputs": lambda: slip(scales_across=True),
         }, "x_q = round(x / s_x) per token (s_x = max |x| / 127), sums = x_q @ q.T in integers, "
            "out = sums * s_x * scales", atol=1e-5)
-        expect_close(got, w8a8_linear64(x, q, scales).float(), case=case, hint=hint, atol=1e-5, rtol=1e-5)
+        expect_close(got, w8a8_linear64(x, q, scales).float(), case=case, hint=hint, atol=1e-5, rtol=1e-5,
+                     dtype=torch.float32)
     return len(cases)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from llmscratch.model.losses import IGNORE_INDEX
 
-__all__ = ["TINY", "accept64", "dequantize_int4_64", "distill64", "int8_scales64", "int8_values", "keep_masks",
-           "pack_int4_64", "two_four_mask", "w8a8_linear64"]
+__all__ = ["TINY", "accept64", "dequantize_int4_64", "distill64", "distill_by_distributions", "int8_scales64",
+           "int8_values", "keep_masks", "pack_int4_64", "two_four_mask", "w8a8_linear64"]
 
 TINY = torch.finfo(torch.float32).tiny  # the floor of a scale: a row of zeros gets no 0/0
 
@@ -195,6 +195,21 @@ def distill64(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target
                                     ignore_index=IGNORE_INDEX)
     weight_kl, weight_ce = (1 - alpha, alpha) if swapped else (alpha, 1 - alpha)
     return weight_kl * temperature**power * kl + weight_ce * cross_entropy
+
+
+def distill_by_distributions(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                             temperature: float, alpha: float) -> torch.Tensor:
+    """The loss with the KL of ``torch.distributions.kl_divergence``, in the logits' own dtype: the usual mistake
+
+    that is right until a probability of the student underflows to 0, where that KL is inf (large logits).
+    """
+    vocab = student_logits.size(-1)
+    student, teacher = student_logits.detach().reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab)
+    counted = targets.reshape(-1) != IGNORE_INDEX  # (N,)
+    kl = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=teacher / temperature),
+                                           torch.distributions.Categorical(logits=student / temperature))  # (N,)
+    cross_entropy = F.cross_entropy(student, targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    return alpha * temperature**2 * kl[counted].mean() + (1 - alpha) * cross_entropy
 
 
 # --------------------------------------------------------------------------- speculative decoding

@@ -13,6 +13,7 @@ time limit. ``load_answers`` reads a reader's answers file, a ``.py`` file or an
 """
 
 import ast
+import contextlib
 import contextvars
 import json
 import math
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmscratch.exercises.isolation import (PACKAGE, TIME_LIMIT, ForbiddenCall, TimeLimitExceeded, TorchSwitches,
                                             forbidden, package_as_loaded, resolve, shown, time_limited, too_slow)
@@ -35,6 +37,8 @@ __all__ = ["Chapter", "Exercise", "Mismatch", "NotDone", "Verdict", "answers_pat
 
 DIFFICULTIES = ("warm-up", "medium", "hard")
 KINDS = ("write it yourself", "extend the package")
+BOOL_HINT = ("return booleans (dtype torch.bool), not 0/1 numbers nor an additive mask of 0 and -inf: a comparison "
+             "gives booleans, and masked_fill and SDPA take a boolean mask")
 EXIT_HINT = "return your result: sys.exit ends the whole program, which here reads as a failure"
 # this check's seed, and whether fresh cases were drawn from it
 _FRESH: contextvars.ContextVar[dict] = contextvars.ContextVar("fresh")
@@ -198,17 +202,21 @@ def random_float(generator: torch.Generator, low: float, high: float, digits: in
     return round(low + (high - low) * float(torch.rand((), generator=generator)), digits)
 
 
-def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | None = None, **kwargs: Any) -> Any:
+def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | None = None,
+            nonfinite_cast: str | None = None, **kwargs: Any) -> Any:
     """``answer(*args, **kwargs)`` inside a check; an exception it raises becomes a Mismatch naming the case.
 
     errors maps a text to a hint: an exception whose message holds the text gets that hint (the
-    usual mistake behind, say, "size of tensor"), any other the general one. Whatever the answer
-    changed in the package or in torch's switches is put back before the checker goes on. The
-    functions the exercise asks the reader to rebuild raise while the answer runs (``forbidden``).
+    usual mistake behind, say, "size of tensor"), any other the general one. ``nonfinite_cast``: the
+    hint of an answer that casts NaN or inf to an integer dtype (0 / 0 by a zero scale: undefined, whatever
+    the result). Whatever the answer changed in the package or in torch's switches is put back before the
+    checker goes on. The functions the exercise asks the reader to rebuild raise while the answer runs
+    (``forbidden``).
     """
     switches = TorchSwitches.now()
+    casts = _NonFiniteCasts() if nonfinite_cast else contextlib.nullcontext()
     try:
-        with forbidden(_FORBIDDEN.get(), answer):
+        with forbidden(_FORBIDDEN.get(), answer), casts:
             result = answer(*args, **kwargs)
     except ForbiddenCall as call:
         raise Mismatch(case, "your own computation", f"a call of {shown(call.name)}",
@@ -227,25 +235,54 @@ def attempt(answer: Callable, *args: Any, case: str, errors: dict[str, str] | No
         switches.restore()
     if problem := _unreadable(result):  # caught here, before a checker's own code trips over it
         raise Mismatch(case, "a tensor of values", describe(result), problem)
+    if nonfinite_cast and casts.seen:
+        raise Mismatch(case, "integers made from finite numbers", "NaN or inf cast to an integer dtype", nonfinite_cast)
     return result
+
+
+class _NonFiniteCasts(TorchDispatchMode):
+    """Notes whether an integer tensor was made from floats holding NaN or inf (NaN's integer is undefined)."""
+
+    CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.CASTS and not self.seen:
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            self.seen = (isinstance(out, torch.Tensor) and _is_integer(out) and isinstance(source, torch.Tensor)
+                         and source.is_floating_point() and not bool(source.isfinite().all()))
+        return out
 
 
 def _forbidden_hint(path: str) -> str:
     return f"write it without {shown(path)}: rebuilding it from simpler operations is the exercise"
 
 
-def expect_equal(got: Any, expected: Any, *, case: str, hint: str) -> None:
-    """Mismatch unless ``got == expected`` (tensors: same shape and every element equal)."""
+def expect_equal(got: Any, expected: Any, *, case: str, hint: str, dtype: torch.dtype | None = None) -> None:
+    """Mismatch unless ``got == expected`` (tensors: same shape and every element equal).
+
+    ``dtype``: the floating dtype the exercise's spec names, which ``got`` must have exactly (integer dtypes
+    are always checked exactly; floating ones only where the spec names one, as a float64 reference stands
+    for any float).
+    """
     if isinstance(expected, torch.Tensor):
-        _expect_tensor(got, expected, case, hint, atol=0.0, rtol=0.0)
+        _expect_tensor(got, expected, case, hint, atol=0.0, rtol=0.0, dtype=dtype)
     elif not _equal(got, expected):
         raise Mismatch(case, expected, got, hint)
 
 
-def expect_close(got: Any, expected: Any, *, case: str, hint: str, atol: float = 1e-5, rtol: float = 1e-4) -> None:
-    """Mismatch unless ``got`` is a tensor (or float) of ``expected``'s shape, equal within atol + rtol * |expected|."""
+def expect_close(got: Any, expected: Any, *, case: str, hint: str, atol: float = 1e-5, rtol: float = 1e-4,
+                 dtype: torch.dtype | None = None) -> None:
+    """Mismatch unless ``got`` is a tensor (or float) of ``expected``'s shape, equal within atol + rtol * |expected|.
+
+    ``dtype``: the floating dtype the spec names, checked exactly (see ``expect_equal``).
+    """
     if isinstance(expected, torch.Tensor):
-        _expect_tensor(got, expected, case, hint, atol=atol, rtol=rtol)
+        _expect_tensor(got, expected, case, hint, atol=atol, rtol=rtol, dtype=dtype)
     elif not (isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=rtol, abs_tol=atol)):
         raise Mismatch(case, expected, got, hint)
 
@@ -257,7 +294,8 @@ def _equal(got: Any, expected: Any) -> bool:
         return False
 
 
-def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol: float, rtol: float) -> None:
+def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol: float, rtol: float,
+                   dtype: torch.dtype | None = None) -> None:
     if not isinstance(got, torch.Tensor):
         raise Mismatch(case, describe(expected), f"a {type(got).__name__}, not a tensor", hint)
     if problem := _unreadable(got):
@@ -265,11 +303,15 @@ def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol:
     if got.shape != expected.shape:
         raise Mismatch(case, f"shape {tuple(expected.shape)}", f"shape {tuple(got.shape)}",
                        f"the shape is wrong; {hint}")
-    if (got.is_floating_point(), got.is_complex(), got.dtype == torch.bool) != (
-            expected.is_floating_point(), expected.is_complex(), expected.dtype == torch.bool):
+    if expected.dtype == torch.bool and got.dtype != torch.bool:  # a 0/1 or 0/-inf mask: its values say nothing yet
+        raise Mismatch(case, f"dtype {expected.dtype}", f"dtype {got.dtype}", BOOL_HINT)
+    if _kind(got) != _kind(expected):
         raise Mismatch(case, f"dtype {expected.dtype}", f"dtype {got.dtype}", hint)
     if _is_integer(expected) and got.dtype != expected.dtype:  # int32 ids compare equal, yet cross_entropy refuses them
         raise Mismatch(case, f"dtype {expected.dtype}", f"dtype {got.dtype}", _integer_dtype_hint(expected.dtype))
+    if dtype is not None and got.dtype != dtype:
+        raise Mismatch(case, f"dtype {dtype}", f"dtype {got.dtype}",
+                       f"the result must be exactly {dtype}, as the exercise says: convert with .to({dtype})")
     got_d, expected_d = got.detach().cpu().double(), expected.detach().cpu().double()
     bad = ~torch.isclose(got_d, expected_d, atol=atol, rtol=rtol, equal_nan=True)
     if bad.any():
@@ -277,6 +319,11 @@ def _expect_tensor(got: Any, expected: torch.Tensor, case: str, hint: str, atol:
         raise Mismatch(case, describe(expected) + f", at {where}: {expected_d[where].item():.6g}",
                        describe(got) + f", at {where}: {got_d[where].item():.6g} "
                                        f"({int(bad.sum())} of {bad.numel()} elements differ)", hint)
+
+
+def _kind(tensor: torch.Tensor) -> tuple[bool, bool, bool]:
+    """Floating, complex, boolean: what a float64 reference and a float32 answer share."""
+    return tensor.is_floating_point(), tensor.is_complex(), tensor.dtype == torch.bool
 
 
 def _is_integer(tensor: torch.Tensor) -> bool:
@@ -306,12 +353,16 @@ def _unreadable(value: Any) -> str | None:
 
 
 def diagnose(got: Any, mistakes: dict[str, Callable[[], Any]], default: str, atol: float = 1e-5) -> str:
-    """The hint of the first usual mistake whose result ``got`` reproduces, else ``default``."""
+    """The hint of the first usual mistake whose result ``got`` reproduces, else ``default``.
+
+    Booleans reproduce only booleans: a float mask of the same 0s and 1s is a mistake of its own.
+    """
     for hint, wrong in mistakes.items():
         try:
             value = wrong()
             if isinstance(value, torch.Tensor):
-                if (isinstance(got, torch.Tensor) and got.shape == value.shape and torch.allclose(
+                if (isinstance(got, torch.Tensor) and got.shape == value.shape
+                        and (got.dtype == torch.bool) == (value.dtype == torch.bool) and torch.allclose(
                         got.detach().double().cpu(), value.double().cpu(), atol=atol, equal_nan=True)):
                     return hint
             elif got == value:
@@ -325,11 +376,14 @@ def diagnose_nonfinite(got: Any, mistakes: dict[str, Callable[[], Any]], default
                        nan_only: bool = False) -> str:
     """``hint`` when ``got`` is a float tensor holding NaN (or inf, unless ``nan_only``), else ``diagnose``'s hint.
 
-    A non-finite result matches no mistake by comparison, yet it has a usual cause of its own.
+    A non-finite result has a usual cause of its own. Only an inf one may still be a listed mistake's (a
+    library function that gives inf for large logits, say): a NaN would match any mistake that is NaN there.
     """
-    if isinstance(got, torch.Tensor) and not _unreadable(got) and got.is_floating_point() and (
-            got.isnan().any() if nan_only else not got.isfinite().all()):
-        return hint
+    if isinstance(got, torch.Tensor) and not _unreadable(got) and got.is_floating_point():
+        if got.isnan().any():
+            return hint
+        if not nan_only and not got.isfinite().all():
+            return diagnose(got, mistakes, "") or hint
     return diagnose(got, mistakes, default)
 
 

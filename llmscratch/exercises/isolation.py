@@ -11,6 +11,7 @@ each check, and the first two again after each call of the answer. ``forbidden``
 """
 
 import contextlib
+import functools
 import importlib
 import signal
 import sys
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["PACKAGE", "TIME_LIMIT", "ForbiddenCall", "Namespaces", "TimeLimitExceeded", "TorchSwitches", "forbidden",
            "package_as_loaded", "resolve", "shown", "time_limited", "too_slow"]
@@ -177,11 +179,13 @@ def resolve(path: str) -> tuple[Any, str]:
 
 @contextlib.contextmanager
 def forbidden(paths: tuple[str, ...], answer: Any) -> Iterator[None]:
-    """Inside: each function in ``paths`` raises ForbiddenCall (a class: building one does), as does any name
+    """Inside: each function in ``paths`` raises ForbiddenCall however the answer reaches it. After: all as before.
 
-    the answer's module bound to it (``from torch.nn.functional import cross_entropy``). After: all as before.
+    A function is taken away in itself (its code swapped), so a name bound to it anywhere raises too: an
+    import of it, a default argument, a closure, a ``functools.partial``, a dict of functions. A class
+    raises when built; one of torch's builtins (``F.scaled_dot_product_attention``) when torch dispatches it.
     """
-    undo = []
+    undo, builtins = [], {}
     namespace = getattr(getattr(answer, "__func__", answer), "__globals__", None)
     try:
         for path in paths:
@@ -189,15 +193,25 @@ def forbidden(paths: tuple[str, ...], answer: Any) -> Iterator[None]:
             original = getattr(owner, name)
             if answer is original:  # the library's own function given as the answer: no patch reaches that call
                 raise ForbiddenCall(path)
+            function = getattr(original, "__func__", original)  # a classmethod's function
             if isinstance(original, type):  # a class: take away its construction, wherever it is named
-                owner, name = original, "__init__"
-            undo.append((owner, name, vars(owner).get(name, _ABSENT)))
-            setattr(owner, name, _raiser(path + "(...)" if name == "__init__" else path))
-            for key, value in list(namespace.items()) if namespace is not None else []:
-                if value is original and not isinstance(original, type):
-                    undo.append((namespace, key, value))
-                    namespace[key] = _raiser(path)
-        yield
+                undo.append((original, "__init__", vars(original).get("__init__", _ABSENT)))
+                original.__init__ = _raiser(path + "(...)")
+            elif isinstance(function, types.FunctionType):
+                undo += [(function, key, getattr(function, key)) for key in ("__code__", "__defaults__",
+                                                                             "__kwdefaults__")]
+                function.__code__ = _raiser_code(len(function.__code__.co_freevars))
+                function.__defaults__, function.__kwdefaults__ = None, {"forbidden_call": _raiser(path)}
+            else:  # a builtin: replaced where it is named, and refused by identity wherever else it is reached
+                builtins[original] = path
+                undo.append((owner, name, vars(owner).get(name, _ABSENT)))
+                setattr(owner, name, _raiser(path))
+                for key, value in list(namespace.items()) if namespace is not None else []:
+                    if value is original:
+                        undo.append((namespace, key, value))
+                        namespace[key] = _raiser(path)
+        with _Refused(builtins) if builtins else contextlib.nullcontext():
+            yield
     finally:
         for owner, name, value in reversed(undo):
             if isinstance(owner, dict):
@@ -206,6 +220,35 @@ def forbidden(paths: tuple[str, ...], answer: Any) -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
+
+
+class _Refused(TorchFunctionMode):
+    """Raise ForbiddenCall when torch dispatches one of the given builtins, however the caller reached it."""
+
+    def __init__(self, paths: dict[Any, str]):
+        super().__init__()
+        self.paths = paths  # the builtin -> its dotted path
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (path := self.paths.get(func)) is not None:
+            raise ForbiddenCall(path)
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _raiser_code(n_free: int) -> types.CodeType:
+    """Code that calls its keyword default ``forbidden_call``: a function's own, given ``n_free`` closure cells
+
+    as its code had (CPython swaps a function's code only for code of as many).
+    """
+    names = [f"cell{i}" for i in range(n_free)]
+    source = ("def outer():\n" + "".join(f"    {name} = None\n" for name in names)
+              + "    def forbidden(*args, forbidden_call=None, **kwargs):\n"
+              + (f"        {', '.join(names)}\n" if names else "") + "        forbidden_call()\n"
+              + "    return forbidden\n")
+    scope: dict = {}
+    exec(source, scope)
+    return scope["outer"]().__code__
 
 
 def _raiser(path: str):
