@@ -5,8 +5,8 @@
         --out runs/quantized/instructions-int4.safetensors
 
 --model is base (the bundled model), instructions or dpo (the default places of ch05's and
-ch06's runs), a run folder or a model file: a float model (an already quantized one, or one with
-mixture-of-experts MLPs, is refused by name). The quantized model is written as a model export
+ch06's runs), a run folder or a model file: a float model (an already quantized one is refused by
+name; a mixture of experts has its experts quantized too). The quantized model is written as a model export
 (safetensors, its integers and scales as they are, with the tokenizer) that every script's
 --model or checkpoint argument takes. Then the held-out tenth of Moby-Dick is scored in bits per
 byte by the model before and after, and the file sizes are compared (llmscratch.model.quantize).
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     quantized = quantize(model, args.scheme, args.group_size or DEFAULT_GROUP_SIZE, head=not args.keep_head)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     export_model(quantized, args.out, tokenizer)
-    print(f"wrote {args.out} ({size_mb(args.out):.1f} MB; {describe(quantized.quantization)})")
+    print(f"wrote {args.out} ({size_mb(args.out):.1f} MB; {describe(quantized.quantization, quantized)})")
     texts = Benchmarks(held_out=held_out_moby_dick(), max_windows=2 if args.test_mode else None)
     for label, m in (("before", model), ("after", quantized)):
         with torch.no_grad():

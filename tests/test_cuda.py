@@ -2,8 +2,8 @@
 
 Every test is marked cuda: where torch sees no GPU, tests/conftest.py deselects them, so a CPU run reports them
 as deselected, never as passed. A result is held to float64 on the CPU, within a few times the rounding error
-that a reference run in the same precision makes there (``assert_within_rounding``). Quantized models
-(issue 31) are not in the package yet, so nothing here tests them.
+that a reference run in the same precision makes there (``assert_within_rounding``). Quantized decoding on CUDA
+is tested in tests/test_quantize.py, beside the CPU's.
 """
 
 import copy

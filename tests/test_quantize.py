@@ -1,5 +1,6 @@
 """llmscratch.model.quantize: int8 and int4 weights against a float64 numpy reference, and quantized GPTs."""
 import copy
+import itertools
 import json
 import subprocess
 import sys
@@ -15,10 +16,12 @@ from llmscratch.model.checkpoint import export_model, model_from_checkpoint
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.generate import generate
 from llmscratch.model.gpt import GPT
-from llmscratch.model.quantize import (CHUNK_ROWS, KERNEL_ROWS, SCHEMES, QuantizedLinear, dequantize_int4,
-                                       dequantize_int8, from_word_order, group_sizes, native_dequantize,
-                                       native_word_product, quantize, quantize_int4, quantize_int8, to_word_order,
-                                       word_product)
+from llmscratch.model.moe import MoE
+from llmscratch.model.quantize import (CHUNK_ROWS, KERNEL_ROWS, SCHEMES, QuantizedExperts, QuantizedLinear,
+                                       dequantize_int4, dequantize_int8, dequantized_product, describe,
+                                       from_word_order, group_sizes, native_dequantize, native_word_product,
+                                       product_path, quantize, quantize_int4, quantize_int8, quantized_share,
+                                       to_word_order, word_product)
 from tests.model_fixtures import LATER_SHAPES, randomize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,17 +153,102 @@ def test_a_quantized_model_is_not_quantized_again(tmp_path, first, second):
         quantize(half, second, group_size=16)
 
 
+def tiny_moe(qwen3: bool = False) -> GPT:
+    """LATER_SHAPES' mixture (5 experts of 24, top 2, a shared expert, a dense layer), or Qwen3-30B-A3B's design
+    at a tiny size (every layer a mixture of 4 experts of 16, no shared expert)."""
+    config = (GPTConfig.from_preset("qwen3-30b-a3b", vocab_size=101, context_length=16, d_model=32, n_layers=3,
+                                    n_heads=2, n_kv_heads=1, head_size=16, d_ff=16, n_experts=4, experts_per_token=2)
+              if qwen3 else GPTConfig(**{**LATER_SHAPES["moe"], "context_length": 16}))
+    model = GPT(config)
+    randomize(model, seed=11, scale=0.3)
+    return model.eval()
+
+
+def rounded_moe(model: GPT, largest: int, group_size: int) -> GPT:
+    """``model`` with every block matrix (each expert's rows on their own) and the untied head replaced by its
+    dequantized float64 reference: the model a quantized one should compute, written without quantize.py."""
+    rounded = copy.deepcopy(model).double()
+    rounded.lm_head = nn.Linear(model.config.d_model, model.config.vocab_size, bias=False).double()
+    rounded.lm_head.weight.data.copy_(model.lm_head.weight.data)
+    with torch.no_grad():
+        for name, weight in rounded.named_parameters():
+            if name.startswith("lm_head"):
+                weight.copy_(torch.from_numpy(reference(weight, 127, weight.size(1))[1]))
+            elif name.startswith("blocks") and weight.dim() >= 2 and "router" not in name:
+                for matrix in weight.reshape(-1, *weight.shape[-2:]):  # one expert at a time
+                    matrix.copy_(torch.from_numpy(reference(matrix.float(), largest, group_size)[1]))
+    return rounded
+
+
+@pytest.mark.parametrize("qwen3", [False, True])
+@pytest.mark.parametrize("scheme, largest, group_size", [("int8", 127, None), ("int4", 7, 8)])
+def test_a_mixture_of_experts_is_the_moe_with_each_experts_rows_rounded(qwen3, scheme, largest, group_size):
+    # Its experts are stacked parameters, not nn.Linear: they used to stay float32 under an int8 label.
+    model = tiny_moe(qwen3)
+    quantized = quantize(model, scheme, group_size=group_size or 64)
+    for _, moe in quantized.blocks.named_modules():
+        if isinstance(moe, MoE):
+            assert all(isinstance(getattr(moe, part), QuantizedExperts) for part in ("gate", "up", "down"))
+    rounded = rounded_moe(model, largest, group_size or 10**9)  # int8: one scale for a whole row
+    idx = torch.randint(model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(idx).double(), rounded(idx), rtol=1e-5, atol=1e-5)
+    assert torch.equal(generate(quantized, idx, 10), generate(rounded, idx, 10))
+
+
+@pytest.mark.parametrize("qwen3", [False, True])
+def test_int8_logits_of_a_mixture_of_experts_are_within_rounding_of_the_float_model(qwen3):
+    model = tiny_moe(qwen3)
+    idx = torch.randint(model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        exact, int8 = model(idx), quantize(model, "int8")(idx)
+    # Rounding moves a weight by at most half an int8 step, a 254th of its row's largest |w|: at most 1/254 of
+    # each product's sum of |w x|. Summed to first order over the matrices a token passes in series (qkv, output,
+    # gate or up, down in each block, then the head), with a factor 3 for the largest |w| of a row against its
+    # typical one, the logits move by at most that share of their own size.
+    in_series = 4 * model.config.n_layers + 1
+    bound = 3 * in_series / 254 * exact.abs().mean().item()
+    error = (int8 - exact).abs().mean().item()
+    assert 0 < error < bound, (error, bound)
+
+
+def test_the_share_of_matrix_weights_quantized_counts_the_experts():
+    model = tiny_moe()
+    quantized = quantize(model, "int8")
+    left_float = {name for name, weight in quantized.named_parameters() if weight.dim() >= 2}
+    assert left_float == {"token_embedding.weight", "blocks.0.mlp.router.weight"}  # looked up, and 5 x 48 scores
+    matrices = sum(w.numel() for name, w in model.named_parameters() if w.dim() >= 2 and "embedding" not in name)
+    head = model.config.vocab_size * model.config.d_model  # tied in the float model, its own int8 matrix here
+    router = model.blocks[0].mlp.router.weight.numel()
+    assert quantized_share(quantized) == pytest.approx(1 - router / (matrices + head))
+    assert quantized_share(quantized) > 0.99  # the experts are most of it: left in float32 it was 64%
+    assert describe(quantized.quantization, quantized) == "int8 weights (99.5% of the matrix weights)"
+    assert quantized_share(model) == 0 and quantized_share(quantize(tiny_gpt(True), "int8")) == 1
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_mixture_of_experts_is_refused_by_name_not_labelled_quantized(scheme):
-    # Its experts are stacked parameters, not nn.Linear: they stayed float32 under an int8 or int4 label.
-    model = GPT(GPTConfig(**{**LATER_SHAPES["moe"], "context_length": 16}))
-    with pytest.raises(ValueError, match=r"MoE experts \(blocks\.0\.mlp\) cannot be quantized yet"):
-        quantize(model, scheme, group_size=8)
-    # Qwen3-30B-A3B's design at a tiny size: every layer a mixture, no shared expert
-    qwen3 = GPTConfig.from_preset("qwen3-30b-a3b", vocab_size=101, context_length=16, d_model=32, n_layers=3,
-                                  n_heads=2, n_kv_heads=1, head_size=16, d_ff=32, n_experts=4, experts_per_token=2)
-    with pytest.raises(ValueError, match=r"MoE experts \(blocks\.0\.mlp, blocks\.1\.mlp, blocks\.2\.mlp\)"):
-        quantize(GPT(qwen3), scheme, group_size=8)
+def test_a_quantized_mixture_of_experts_saves_and_loads_with_its_integers_and_scales(tmp_path, scheme):
+    quantized = quantize(tiny_moe(), scheme, group_size=8)
+    path = tmp_path / "moe.safetensors"
+    export_model(quantized, path)
+    _, tensors = read_safetensors(path)
+    assert tensors["blocks.0.mlp.down.qweight"].shape == ((5, 48, 24) if scheme == "int8" else (5, 48, 12))
+    assert tensors["blocks.0.mlp.down.scales"].shape == ((5, 48) if scheme == "int8" else (5, 48, 3))
+    loaded = model_from_checkpoint(path).eval()
+    assert loaded.quantization == quantized.quantization
+    assert loaded.state_dict().keys() == quantized.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[name], t) for name, t in quantized.state_dict().items())
+    idx = torch.randint(79, (1, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), quantized(idx))
+    assert torch.equal(generate(loaded, idx, 8), generate(quantized, idx, 8))
+
+
+def test_an_int4_group_that_does_not_divide_an_experts_inputs_is_named():
+    model = GPT(GPTConfig(**{**LATER_SHAPES["moe"], "context_length": 16, "d_expert": 20, "shared_experts": 0}))
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.down: int4 group_size 8 does not divide the layer's 20"):
+        quantize(model, "int4", group_size=8)
+    assert group_sizes(model) == [2, 4]  # the gcd of 48 (attention, the experts' gate and up), 64 (dense) and 20
 
 
 def test_group_sizes_are_the_even_divisors_every_layer_shares():
@@ -234,6 +322,75 @@ def test_compiled_decoding_of_a_quantized_gpt_gives_the_eager_tokens(scheme, nat
     idx = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         assert torch.equal(generate(quantized, idx, 10, compile=True), generate(quantized, idx, 10))
+
+
+# --------------------------------------------------------------------------- on a GPU
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+def test_off_the_cpu_the_path_does_not_depend_on_the_c_compiler(device):
+    # The C kernels are CPU code: their presence once sent CUDA to a product that rebuilt float32 weights each call.
+    for native, word_order, rows, grad, compiling in itertools.product([True, False], [True, False], [1, 8, 9, 64],
+                                                                       [True, False], [True, False]):
+        assert product_path(device, native, word_order, rows, grad, compiling) == "dequantize_in_product"
+
+
+@pytest.mark.parametrize("native, word_order, rows, grad, compiling, path", [
+    (True, True, 1, False, False, "kernel"), (True, True, KERNEL_ROWS, False, True, "kernel"),
+    (True, True, KERNEL_ROWS + 1, False, False, "chunks"), (True, True, KERNEL_ROWS + 1, False, True, "weight"),
+    (True, True, 1, True, False, "weight"), (False, True, 1, False, True, "word_product"),
+    (False, True, 1, True, True, "word_product"), (False, True, 2, False, True, "weight"),
+    (False, False, 1, False, True, "weight"), (False, True, 1, False, False, "weight"),
+])
+def test_on_a_cpu_the_paths_are_as_they_were(native, word_order, rows, grad, compiling, path):
+    assert product_path("cpu", native, word_order, rows, grad, compiling) == path
+
+
+@pytest.mark.parametrize("scheme, group_size, in_features", [("int8", None, 64), ("int8", None, 40), ("int4", 8, 64),
+                                                             ("int4", 64, 128), ("int4", 16, 48)])
+def test_the_gpu_form_is_the_product_with_the_dequantized_weight(scheme, group_size, in_features):
+    # Run here on CPU tensors in float64: word-ordered (64, 128) or not (40, 48), int8 by reordering x.
+    linear = nn.Linear(in_features, 24, bias=False)
+    layer = QuantizedLinear(linear, scheme, group_size or 64)
+    assert layer.word_order == (in_features % 64 == 0)
+    x = torch.randn(2, 3, in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    largest = SCHEMES[scheme]
+    _, expected = reference(linear.weight.detach(), largest, group_size or in_features)
+    got = dequantized_product(x, layer.qweight, layer.scales, scheme, layer.group_size, layer.word_order)
+    torch.testing.assert_close(got, x @ torch.from_numpy(expected).T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_layer_off_the_cpu_dequantizes_inside_the_product_with_or_without_a_compiler(native, monkeypatch):
+    # On the meta device (no GPU here): a layer whose C kernel was built takes the GPU form all the same.
+    from llmscratch.model import quantize as module
+    calls = []
+
+    def spy(*args):
+        calls.append(args[3])
+        return dequantized_product(*args)
+
+    monkeypatch.setattr(module, "dequantized_product", spy)
+    for scheme in ("int8", "int4"):
+        layer = QuantizedLinear(nn.Linear(64, 24), scheme, 32).to("meta")
+        layer.native = native
+        for x in (torch.empty(1, 64, device="meta"), torch.empty(3, 5, 64, device="meta")):
+            assert layer(x).shape == (*x.shape[:-1], 24)
+    assert calls == ["int8", "int8", "int4", "int4"]
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_on_cuda_compiled_quantized_decoding_gives_the_eager_tokens(scheme):
+    config = GPTConfig(vocab_size=97, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                       norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False, bias=False)
+    model = GPT(config)
+    randomize(model, seed=5, scale=0.3)
+    quantized = quantize(model.eval(), scheme, group_size=64)
+    idx = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
+    on_gpu = copy.deepcopy(quantized).to("cuda")
+    with torch.inference_mode():
+        torch.testing.assert_close(on_gpu(idx.cuda()).cpu(), quantized(idx), rtol=1e-3, atol=1e-3)
+        assert torch.equal(generate(on_gpu, idx.cuda(), 10, compile=True), generate(on_gpu, idx.cuda(), 10))
 
 
 # --------------------------------------------------------------------------- the C kernels

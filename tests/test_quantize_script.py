@@ -65,20 +65,21 @@ def test_a_quantized_file_is_refused_naming_its_scheme(float_model, tmp_path, ca
     assert "quantize the float model it was made from" in err and not out.exists()
 
 
-def test_a_mixture_of_experts_is_refused_naming_its_experts(tmp_path, capsys):
-    # Its experts stayed float32 while the file said int8.
+def test_a_mixture_of_experts_has_its_experts_quantized_and_says_so(tmp_path, capsys):
+    # Its experts once stayed float32 while the file said int8.
     moe = tmp_path / "moe.safetensors"
     export_model(GPT(GPTConfig(**{**LATER_SHAPES["moe"], "vocab_size": 320, "context_length": 16})), moe, tokenizer())
     out = tmp_path / "q.safetensors"
-    assert run("--model", moe, "--out", out) == 2
-    assert "this model's MoE experts (blocks.0.mlp) cannot be quantized yet" in capsys.readouterr().err
-    assert not out.exists()
+    assert run("--model", moe, "--out", out, "--test-mode") == 0
+    assert "int8 weights (99.6% of the matrix weights)" in capsys.readouterr().out  # all but the router: 240 of 59,376
+    loaded = model_from_checkpoint(out)
+    assert loaded.blocks[0].mlp.down.qweight.shape == (5, 48, 24) and loaded.blocks[0].mlp.down.scheme == "int8"
 
 
 def test_a_group_size_that_fits_writes_a_file_that_loads_as_it_says(float_model, tmp_path, capsys):
     out = tmp_path / "q.safetensors"
     assert run("--model", float_model, "--scheme", "int4", "--group-size", "32", "--out", out, "--test-mode") == 0
-    assert "int4 weights (group 32, int8 head)" in capsys.readouterr().out
+    assert "int4 weights (group 32, int8 head, 100.0% of the matrix weights)" in capsys.readouterr().out
     loaded = model_from_checkpoint(out)
     assert loaded.quantization == {"scheme": "int4", "group_size": 32, "head": True}
     assert loaded.blocks[1].mlp.down.group_size == 32

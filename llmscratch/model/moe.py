@@ -61,7 +61,8 @@ class MoE(nn.Module):
     """n_experts gated MLPs (SwiGLU, or GeGLU with activation="gelu"), k of them per token, plus optional shared
     experts every token goes through.
 
-    The experts' weights are stacked, expert first: gate and up (E, d_expert, d_model), down (E, d_model, d_expert).
+    The experts' weights are stacked, expert first: gate and up (E, d_expert, d_model), down (E, d_model, d_expert);
+    ``self.gate[e]`` is expert e's matrix, whether a parameter or (quantized) integers dequantized on reading.
     After each forward in training mode, ``aux_loss`` holds the load-balancing loss (with its gradient) and
     ``load`` adds up the tokens each expert received (the router's statistics, for logging).
     """
@@ -153,7 +154,7 @@ class MoE(nn.Module):
         return load
 
     def extra_repr(self) -> str:
-        return f"n_experts={self.n_experts}, k={self.k}, d_expert={self.gate.size(1)}, norm_topk={self.norm_topk}"
+        return f"n_experts={self.n_experts}, k={self.k}, d_expert={self.gate.shape[1]}, norm_topk={self.norm_topk}"
 
 
 def expert_load(model: nn.Module) -> list[list[float]] | None:

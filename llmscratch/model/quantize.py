@@ -14,7 +14,12 @@ For that, a layer stores its values in *word order* (``to_word_order``): within 
 words, value n of word i is column ``n * 8 + i`` of the block, so the activations each value meets
 are contiguous too. ``word_product`` writes the product in PyTorch, to read; the layers run the same
 loop in C (``llmscratch/kernels/word_product.c``, built on first use by ``llmscratch.native``), eagerly and
-inside ``torch.compile`` alike, as the custom operator ``llmscratch::word_product``.
+inside ``torch.compile`` alike, as the custom operator ``llmscratch::word_product``. Off the CPU the C
+kernels play no part: a layer dequantizes inside its product (``dequantized_product``), gpt-fast's and
+torchao's form, which ``torch.compile`` fuses.
+
+A mixture of experts keeps its stacked experts (E, out, in) in ``QuantizedExperts``: each expert's rows
+scaled as a matrix's are, dequantized when a token chooses the expert. Only the routers stay in float.
 """
 import copy
 import ctypes
@@ -301,6 +306,49 @@ def _(stored, scales, scheme, group_size):
     return stored.new_empty(stored.size(0), stored.size(1) * (2 if scheme == "int4" else 1), dtype=torch.float32)
 
 
+# --------------------------------------------------------------------------- which product a layer runs
+def product_path(device_type: str, native: bool, word_order: bool, rows: int, grad: bool, compiling: bool) -> str:
+    """How a ``QuantizedLinear`` multiplies ``rows`` rows of x on a device of ``device_type``.
+
+    Off the CPU, always "dequantize_in_product" (``dequantized_product``): the C kernels are CPU code, so
+    whether a C compiler exists never decides a GPU's path. On a CPU with the kernels built (``native``)
+    and no gradient wanted: "kernel" (the word product, up to ``KERNEL_ROWS`` rows), or "chunks" (eager,
+    more rows); without them, "word_product" for one row inside a compiled graph (inductor fuses it into
+    one loop); otherwise "weight", ``F.linear`` by the dequantized ``.weight``.
+    """
+    if device_type != "cpu":
+        return "dequantize_in_product"
+    if native and not grad:
+        if rows <= KERNEL_ROWS:
+            return "kernel"
+        if not compiling:
+            return "chunks"
+    if word_order and not native and rows == 1 and compiling:
+        return "word_product"
+    return "weight"
+
+
+def dequantized_product(x: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor, scheme: str,
+                        group_size: int | None, word_order: bool) -> torch.Tensor:
+    """x (..., in) times the weight ``stored`` and ``scales`` stand for, as gpt-fast and torchao write it for a GPU.
+
+    int8: ``F.linear(x, q.to(x.dtype)) * scales``: a cast is all that stands between the stored integers and
+    the product, so ``torch.compile`` fuses it into the product's reads, and the row scales multiply the
+    outputs, not the weight. Word-ordered columns meet activations put in the same order (``to_word_order``
+    of x: a permutation of one row, not of the weight). int4: the unpacked values times their group scales,
+    in x's dtype, as the product's operand.
+    """
+    if scheme == "int8":
+        if word_order:
+            x = to_word_order(x.reshape(-1, x.size(-1)), VALUES_PER_WORD["int8"]).reshape(x.shape)
+        return F.linear(x, stored.to(x.dtype)) * scales.to(x.dtype)  # (..., out)
+    q = unpack_int4(stored)  # (out, in)
+    q = from_word_order(q, VALUES_PER_WORD["int4"]) if word_order else q
+    out_features, in_features = q.shape
+    groups = q.to(x.dtype).reshape(out_features, -1, group_size) * scales.to(x.dtype)[..., None]  # (out, n_groups, g)
+    return F.linear(x, groups.reshape(out_features, in_features))  # (..., out)
+
+
 # --------------------------------------------------------------------------- the layer and the model
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is stored as int8 or packed int4 with float scales (no gradients).
@@ -308,8 +356,8 @@ class QuantizedLinear(nn.Module):
     ``qweight`` holds the values in word order where the shape allows (``word_order_fits``), else
     in their natural order; ``weight`` is the dequantized float32 matrix either way. On a CPU with the
     C kernel built (``native``), a product of up to ``KERNEL_ROWS`` rows multiplies by the stored
-    integers and one of more rows dequantizes ``CHUNK_ROWS`` weight rows at a time; elsewhere, inside
-    a compiled graph of many rows, and for an input that needs a gradient, it multiplies by ``weight``.
+    integers and one of more rows dequantizes ``CHUNK_ROWS`` weight rows at a time; on a GPU the values
+    are dequantized inside the product (``dequantized_product``); ``product_path`` says which when.
     """
 
     def __init__(self, linear: nn.Linear, scheme: str, group_size: int = 64):
@@ -346,17 +394,19 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        few_rows = x.numel() <= KERNEL_ROWS * x.size(-1)
-        native = self.native and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
-        if native and few_rows:
+        path = product_path(x.device.type, self.native, self.word_order, x.numel() // x.size(-1),
+                            x.requires_grad and torch.is_grad_enabled(), torch.compiler.is_compiling())
+        if path == "dequantize_in_product":
+            out = dequantized_product(x, self.qweight, self.scales, self.scheme, self.group_size, self.word_order)
+        elif path == "kernel":
             out = torch.ops.llmscratch.word_product(x, self.qweight, self.scales, self.scheme, self.group_size or 0)
-            return out if bias is None else out + bias
-        if native and not torch.compiler.is_compiling():
+        elif path == "chunks":
             return self._product_by_chunks(x, bias)
-        if self.word_order and not self.native and x.numel() == x.size(-1) and torch.compiler.is_compiling():
-            out = word_product(x, self.qweight, self.scales, self.scheme)  # no C compiler: inductor fuses this one
-            return out if bias is None else out + bias
-        return F.linear(x, self.weight.to(x.dtype), bias)  # another device, gradients for x, or traced
+        elif path == "word_product":  # no C compiler: inductor fuses this one
+            out = word_product(x, self.qweight, self.scales, self.scheme)
+        else:
+            return F.linear(x, self.weight.to(x.dtype), bias)  # gradients for x, or many rows traced
+        return out if bias is None else out + bias
 
     def _product_by_chunks(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, self.weight, bias), dequantizing ``CHUNK_ROWS`` weight rows at a time."""
@@ -373,22 +423,60 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}{group}"
 
 
+class QuantizedExperts(nn.Module):
+    """A mixture of experts' stacked weights (E, out, in), each expert's rows stored as ``QuantizedLinear`` stores
+    a matrix's: int8 with a scale per output row, or packed int4 with a scale per group of inputs (no gradients).
+
+    ``experts[e]`` (or a list of ids) is the dequantized weight, (out, in) (or (n, out, in)), that ``MoE``
+    multiplies by: a token dequantizes only the experts it chose.
+    """
+
+    def __init__(self, weight: torch.Tensor, scheme: str, group_size: int = 64):
+        super().__init__()
+        n_experts, out_features, in_features = weight.shape
+        self.shape, self.scheme = weight.shape, scheme
+        self.group_size = group_size if scheme == "int4" else None
+        rows = weight.detach().reshape(n_experts * out_features, in_features)  # every expert's rows as one matrix
+        q, scales = quantize_int8(rows) if scheme == "int8" else quantize_int4(rows, group_size)
+        self.register_buffer("qweight", q.reshape(n_experts, out_features, -1))  # (E, out, in or in / 2)
+        self.register_buffer("scales", scales.reshape(n_experts, out_features, *scales.shape[1:]))  # (E, out[, G])
+
+    def __getitem__(self, experts: int | list[int]) -> torch.Tensor:
+        q, scales = self.qweight[experts], self.scales[experts]  # (..., out, in or in / 2), (..., out[, G])
+        if self.scheme == "int8":
+            return q.to(scales.dtype) * scales[..., None]
+        values = unpack_int4(q.reshape(-1, q.size(-1))).to(scales.dtype)  # (rows, in)
+        groups = values.reshape(*scales.shape, self.group_size) * scales[..., None]  # (..., out, G, g)
+        return groups.reshape(*q.shape[:-1], self.shape[-1])
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"n_experts={self.shape[0]}, out_features={self.shape[1]}, in_features={self.shape[2]}, " \
+               f"{self.scheme}{group}"
+
+
+EXPERT_WEIGHTS = ("gate", "up", "down")  # an MoE's stacked weights, (E, out, in) each
+
+
 def quantize(model: nn.Module, scheme: str, group_size: int = 64, head: bool = True) -> nn.Module:
-    """A copy of ``model`` whose blocks' linear layers are ``QuantizedLinear``; the original is untouched.
+    """A copy of ``model`` whose blocks' linear layers are ``QuantizedLinear`` and whose mixtures of experts keep
+    their experts in ``QuantizedExperts``; the original is untouched.
 
     head: also store the output head as int8 (under either scheme). A head tied to the embedding
-    is untied: the embedding keeps its float32 rows for looking tokens up. Norms and embeddings
-    stay as they are. For int4, group_size must divide every block layer's input features. The
-    copy records its settings in ``.quantization`` (what ``checkpoint.export_model`` saves). A model
-    already quantized, or with mixture-of-experts MLPs, is refused (``quantizable_layers``).
+    is untied: the embedding keeps its float32 rows for looking tokens up. Norms, embeddings and
+    routers stay as they are. For int4, group_size must divide every quantized layer's input features.
+    The copy records its settings in ``.quantization`` (what ``checkpoint.export_model`` saves); a
+    model already quantized is refused (``quantizable_layers``). ``quantized_share`` says how much it holds as integers.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
-    linears = quantizable_layers(model)
+    linears, experts = quantizable_layers(model), quantizable_experts(model)
     if scheme == "int4":
-        for name, module in linears:  # every layer checked before anything is built
+        inputs = [(name, module.in_features) for name, module in linears]
+        inputs += [(f"{name}.{part}", getattr(moe, part).shape[-1]) for name, moe in experts for part in EXPERT_WEIGHTS]
+        for name, in_features in inputs:  # every layer checked before anything is built
             try:
-                _check_int4_shape(module.in_features, group_size)
+                _check_int4_shape(in_features, group_size)
             except ValueError as err:
                 raise ValueError(f"blocks.{name}: {err}") from None
     quantized = copy.deepcopy(model)
@@ -396,6 +484,12 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 64, head: bool = T
         parent_name, _, child = name.rpartition(".")
         parent = quantized.blocks.get_submodule(parent_name)
         setattr(parent, child, QuantizedLinear(getattr(parent, child), scheme, group_size))
+    for name, _ in experts:
+        moe = quantized.blocks.get_submodule(name)
+        for part in EXPERT_WEIGHTS:  # the parameter gives way to a module of the same name
+            experts = QuantizedExperts(getattr(moe, part), scheme, group_size)
+            delattr(moe, part)
+            setattr(moe, part, experts)
     head = head and type(getattr(quantized, "lm_head", None)) is nn.Linear
     if head:
         quantized.lm_head = QuantizedLinear(quantized.lm_head, HEAD_SCHEME)
@@ -406,35 +500,49 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 64, head: bool = T
 def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The linear layers of ``model.blocks`` (names under it) that ``quantize`` replaces.
 
-    ValueError for a model that ``quantize`` would misreport: one already quantized (its layers are
-    no longer ``nn.Linear``: a copy would say int4 and hold int8), or one with mixture-of-experts MLPs
-    (their experts are stacked parameters, which would stay float32 under a quantized label).
+    ValueError for a model already quantized: its layers are no longer ``nn.Linear``, so a copy would say
+    int4 and hold int8.
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise ValueError(f"expected a model with .blocks (a GPT), got {type(model).__name__}")
     settings = getattr(model, "quantization", None)
-    if settings is not None or any(isinstance(module, QuantizedLinear) for module in model.modules()):
+    if settings is not None or any(isinstance(m, (QuantizedLinear, QuantizedExperts)) for m in model.modules()):
         raise ValueError(f"the model is already quantized ({describe(settings) if settings else 'in part'}); "
                          f"rounding rounded weights again loses more than quantizing once: quantize the float "
                          f"model it was made from")
-    experts = [f"blocks.{name}" for name, module in blocks.named_modules() if isinstance(module, MoE)]
-    if experts:
-        shown = ", ".join(experts[:3]) + (f" and {len(experts) - 3} more" if len(experts) > 3 else "")
-        raise ValueError(f"this model's MoE experts ({shown}) cannot be quantized yet: they are stacked "
-                         f"parameters, not linear layers; keep this model in floating point")
     return [(name, module) for name, module in blocks.named_modules() if type(module) is nn.Linear]
+
+
+def quantizable_experts(model: nn.Module) -> list[tuple[str, MoE]]:
+    """The mixtures of experts of ``model.blocks`` (names under it) whose experts ``quantize`` stores as integers."""
+    return [(name, module) for name, module in model.blocks.named_modules() if isinstance(module, MoE)]
 
 
 def group_sizes(model: nn.Module) -> list[int]:
     """The int4 group sizes that fit every layer ``quantize`` replaces: even divisors of each one's inputs."""
-    common = math.gcd(*(linear.in_features for _, linear in quantizable_layers(model)))
+    inputs = [linear.in_features for _, linear in quantizable_layers(model)]
+    inputs += [getattr(moe, part).shape[-1] for _, moe in quantizable_experts(model) for part in EXPERT_WEIGHTS]
+    common = math.gcd(*inputs)
     return [size for size in range(2, common + 1, 2) if common % size == 0]
 
 
-def describe(settings: dict) -> str:
-    """A quantized model's ``.quantization`` in words: "int4 weights (group 64, int8 head)"."""
+def quantized_share(model: nn.Module) -> float:
+    """The share of a model's matrix weights (every weight of two or more dimensions but the embeddings, whose
+    rows are looked up, not multiplied) that it stores as integers."""
+    embeddings = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
+    floats = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    integers = sum(math.prod(m.shape) if isinstance(m, QuantizedExperts) else m.in_features * m.out_features
+                   for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedExperts)))
+    return integers / max(floats + integers, 1)
+
+
+def describe(settings: dict, model: nn.Module | None = None) -> str:
+    """A quantized model's ``.quantization`` in words: "int4 weights (group 64, int8 head)"; given the model,
+    also the share of its matrix weights held as integers: "int8 weights (99.5% of the matrix weights)"."""
     details = [f"group {settings['group_size']}"] if settings.get("group_size") else []
     if settings["scheme"] != HEAD_SCHEME or not settings["head"]:
         details.append(f"{HEAD_SCHEME} head" if settings["head"] else "float head")
+    if model is not None:
+        details.append(f"{quantized_share(model):.1%} of the matrix weights")
     return f"{settings['scheme']} weights" + (f" ({', '.join(details)})" if details else "")
