@@ -1,8 +1,9 @@
-"""The prepared device check (benchmarks/gpu.py, issue 29) cannot rot between lendings of a GPU.
+"""The prepared device check (benchmarks/gpu.py, issues 29 and 52) cannot rot between lendings of a GPU.
 
-Its dry run on this CPU machine finds every program of the plan, every flag it passes, and the test file; its
-runner gives each part the status it earned (passed, failed, timed out, skipped for time), checked here
-with small stand-in parts; without a GPU a real run stops at once with a clear message.
+Its dry run on this CPU machine finds every program of the plan, every flag it passes, and the test file, and
+runs the engine, quantized and mfu measurements at tiny shapes; its runner gives each part the status it
+earned (passed, failed, timed out, skipped for time), checked here with small stand-in parts; without a GPU a
+real run stops at once with a clear message.
 """
 
 import json
@@ -31,7 +32,57 @@ def test_the_dry_run_finds_every_program_flag_and_test_file(tmp_path):
     assert sum(part["limit_s"] for part in report["parts"].values()) <= gpu.BUDGET_S == 480
     markdown = (tmp_path / "report" / "gpu_report.md").read_text()
     assert markdown.count("| dry-run ok |") == len(gpu.plan())
-    assert "--help" in (tmp_path / "report" / "gpu_log.txt").read_text()
+    log = (tmp_path / "report" / "gpu_log.txt").read_text()
+    assert "--help" in log and "--tiny" in log
+    # Issue 52's parts ran for real on this CPU, tiny, and their report lines read what they measured.
+    rows = {line.split(" | ")[0].strip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
+    engine = report["parts"]["engine"]["results"]["engine.json"]
+    assert engine["streams"] == 16 and engine["tiny"] and engine["concurrent_tokens_per_s"] > 0
+    assert f"16 streams {engine['concurrent_tokens_per_s']:,.0f} tokens/s" in rows["engine"]
+    variants = report["parts"]["quantized"]["results"]["quantized.json"]["variants"]
+    assert list(variants) == ["fp32", "bf16", "int8", "int4"]
+    assert all(0.0 <= v["agreement"] <= 1.0 and v["tokens_per_s"] > 0 for v in variants.values())
+    assert "int4" in rows["quantized"] and "of greedy tokens as fp32" in rows["quantized"]
+    speed = report["parts"]["mfu"]["results"]["mfu.json"]["speed"]
+    assert speed["tokens_per_s"] > 0 and len(speed["step_seconds"]) == 2
+    assert "llama-tiny" in rows["mfu"] and "measured" in rows["mfu"]
+
+
+def test_the_plan_measures_issue_52s_parts_on_the_gpu_and_tiny_on_a_cpu():
+    parts = {part.name: part for part in gpu.plan()}
+    assert {"engine", "quantized", "mfu"} <= set(parts)
+    assert sum(part.limit_s for part in parts.values()) <= gpu.BUDGET_S
+    for name in ("engine", "quantized", "mfu"):
+        (step,) = parts[name].steps
+        assert step.args[step.args.index("--device") + 1] == "cuda"
+        assert step.dry_args[step.dry_args.index("--device") + 1] == "cpu"
+    mfu = parts["mfu"].steps[0].args
+    assert mfu[mfu.index("--preset") + 1] == "gpt2-medium" and "--compile" in mfu and "--fill" in mfu
+    assert "--compiled" in parts["quantized"].steps[0].args and "--compiled" not in parts["quantized"].steps[0].dry_args
+
+
+def test_the_dry_run_fails_a_part_whose_tiny_run_fails_or_leaves_results_its_summary_cannot_read(tmp_path):
+    crashes = gpu.Part("engine", "a tiny run that crashes", 10,
+                       [gpu.Step([sys.executable, "-m", "benchmarks.gpu_memory"],
+                                 dry_args=[sys.executable, "-c", "import sys; print('engine broke'); sys.exit(2)"])],
+                       ["engine.json"])
+    outcome = gpu.dry_check(crashes, tmp_path, log=[])
+    assert outcome["status"] == "dry-run failed" and "exit status 2" in outcome["why"]
+    assert "engine broke" in outcome["why"]
+
+    writes = "import json, pathlib; pathlib.Path('{work}/engine.json').write_text(json.dumps(dict(streams=16)))"
+    unreadable = gpu.Part("engine", "a tiny run whose results lack the summary's keys", 10,
+                          [gpu.Step([sys.executable, "-m", "benchmarks.gpu_memory"],
+                                    dry_args=[sys.executable, "-c", writes])], ["engine.json"])
+    outcome = gpu.dry_check(unreadable, tmp_path, log=[])
+    assert outcome["status"] == "dry-run failed" and "summary" in outcome["why"], outcome
+
+    (tmp_path / "engine.json").unlink()
+    silent = gpu.Part("engine", "a tiny run that writes nothing", 10,
+                      [gpu.Step([sys.executable, "-m", "benchmarks.gpu_memory"], dry_args=[sys.executable, "-c", "0"])],
+                      ["engine.json"])
+    outcome = gpu.dry_check(silent, tmp_path, log=[])
+    assert outcome["status"] == "dry-run failed" and "left no engine.json" in outcome["why"]
 
 
 def test_the_dry_run_names_a_flag_a_program_does_not_take(tmp_path, monkeypatch):
@@ -49,7 +100,7 @@ def stand_in(name: str, code: str, limit_s: int = 60, results: tuple[str, ...] =
 def test_each_part_gets_the_status_it_earned(tmp_path, monkeypatch):
     work, log = tmp_path / "work", []
     work.mkdir()
-    plenty = lambda: 400.0  # noqa: E731
+    plenty = lambda: 400.0
     writes = "import json, pathlib; pathlib.Path('{work}/r.json').write_text(json.dumps({{'x': 1}}))"
     passed = gpu.run_part(stand_in("ok", writes), work, plenty, log)
     assert passed["status"] == "passed" and passed["results"] == {"r.json": {"x": 1}}
@@ -116,6 +167,38 @@ def test_the_report_lines_read_the_recorded_gpu_run():
     train["results"]["train_unpadded.json"] = train["results"]["train.json"]
     line = gpu.summary_of("train", train)
     assert line.index("bf16-compiled: 184,948") < line.index("bf16-compiled, unpadded vocabulary: 184,948")
+
+
+def test_the_report_lines_read_issue_52s_parts():
+    results = {
+        "engine": {"engine.json": {"streams": 16, "concurrent_tokens_per_s": 4800.0, "single_tokens_per_s": 400.0,
+                                   "ratio": 11.5}},
+        "quantized": {"quantized.json": {"variants": {
+            "fp32": {"agreement": 1.0, "tokens_per_s": 240.0, "compiled_tokens_per_s": 900.0},
+            "int8": {"agreement": 0.97, "tokens_per_s": 200.0, "compiled_tokens_per_s": None}}}},
+        "mfu": {"mfu.json": {"preset": "gpt2-medium", "parallel": "ddp", "batch_size": 32, "context_length": 1024,
+                             "measured_bytes": 40 * 2**30, "planned_bytes": 50 * 2**30, "ratio": 0.8,
+                             "speed": {"tokens_per_s": 150_000.0, "mfu": 0.41}}},
+    }
+    lines = {name: gpu.summary_of(name, {"results": r}) for name, r in results.items()}
+    assert lines["engine"] == "16 streams 4,800 tokens/s, one at a time 400 (11.50x)"
+    assert lines["quantized"] == ("tokens/s: fp32 240, compiled 900; int8 200, compiled: no time left, 97% of greedy "
+                                  "tokens as fp32")
+    assert lines["mfu"].startswith("gpt2-medium: 150,000 tokens/s, MFU 41% of the datasheet peak; memory of one "
+                                   "gpt2-medium step (ddp, 32 x 1024): measured 40.00 GiB, planned 50.00 GiB")
+
+
+def test_the_filling_batch_is_the_largest_power_of_two_the_planner_fits():
+    from benchmarks import gpu_memory
+    from llmscratch.model.config import GPTConfig
+    from llmscratch.training.memory import plan
+
+    config = GPTConfig.from_preset("gpt2-medium")
+    for fill in (8.0, 30.0, 60.0):
+        args = gpu_memory.parse_args(["--preset", "gpt2-medium", "--fill", str(fill)])
+        batch = gpu_memory.filling_batch(config, args, 1, "cuda")
+        planned = [plan(config, "ddp", 1, batch_size=b, dtype="bfloat16").total for b in (batch, 2 * batch)]
+        assert batch & (batch - 1) == 0 and planned[0] <= fill * 2**30 < planned[1], (fill, batch, planned)
 
 
 def test_a_real_run_without_a_gpu_stops_at_once_with_a_clear_message(tmp_path, monkeypatch):
