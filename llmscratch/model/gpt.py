@@ -15,7 +15,7 @@ from torch import nn
 from llmscratch.model.attention import KVCache, MultiHeadAttention
 from llmscratch.model.config import GPTConfig
 from llmscratch.model.losses import head_cross_entropy
-from llmscratch.model.mlp import GELUMLP, SwiGLU
+from llmscratch.model.mlp import GELUMLP, SquaredReLUMLP, SwiGLU
 from llmscratch.model.moe import MoE
 from llmscratch.model.norm import RMSNorm
 from llmscratch.model.rope import RotaryEmbedding
@@ -54,7 +54,8 @@ class Block(nn.Module):
         elif config.mlp in ("swiglu", "geglu"):
             self.mlp = SwiGLU(config.d_model, config.hidden_dim, bias=config.bias, activation=activation)
         else:
-            self.mlp = GELUMLP(config.d_model, config.hidden_dim, bias=config.bias, squared_relu=config.mlp == "relu2")
+            plain = SquaredReLUMLP if config.mlp == "relu2" else GELUMLP
+            self.mlp = plain(config.d_model, config.hidden_dim, bias=config.bias)
         self.mlp_post_norm = make_norm(config) if config.post_norms else None
         self.dropout = nn.Dropout(config.dropout)
 
@@ -207,6 +208,8 @@ class GPT(nn.Module):
                 total -= self.position_embedding.weight.numel()
         if active:
             for moe in (block.mlp for block in self.blocks if isinstance(block.mlp, MoE)):
+                if not isinstance(moe.gate, nn.Parameter):  # quantized experts are buffers, never counted above
+                    continue
                 experts = sum(w.numel() for w in (moe.gate, moe.up, moe.down))
                 total -= experts // moe.n_experts * (moe.n_experts - moe.k)
         return total
