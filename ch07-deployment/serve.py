@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from llmscratch.cli import check_device, resolve_model, run_script, value_errors_exit
-from llmscratch.deployment.engine import BATCH_SHAPES, Engine
+from llmscratch.deployment.engine import BATCH_SHAPES, PREFILL_CHUNK, Engine
 from llmscratch.deployment.guard import MAX_BODY_BYTES, READ_TIMEOUT, SHUTDOWN_GRACE, make_server
 from llmscratch.deployment.server import create_app
 from llmscratch.device import DTYPES
@@ -59,7 +59,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--shutdown-grace", type=float, default=SHUTDOWN_GRACE, metavar="SECONDS",
         help=f"at SIGTERM or Ctrl-C, time running answers get to finish before they end with an error event "
              f"(default {SHUTDOWN_GRACE:g})")
-    add("--max-slots", type=int, default=16, help="sequences decoded together, one KV-cache row each (default 16)")
+    add("--max-slots", type=int, default=16, help="sequences decoded together (default 16)")
+    add("--kv-memory", type=float, default=None, metavar="GIB",
+        help="the KV cache's budget in GiB, a pool of blocks the sequences share; more running sequences than fit "
+             "wait, or the newest is preempted and recomputed later (default: what --max-slots sequences of "
+             "--max-model-len need, at most half the memory free at start)")
+    add("--max-model-len", type=int, default=None, metavar="TOKENS",
+        help="the longest prompt + answer a request may ask for (default: the model's context)")
+    add("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="TOKENS",
+        help=f"prompt tokens prefilled per step between decoding steps, so that running answers keep moving "
+             f"while a long prompt is read (default {PREFILL_CHUNK})")
+    add("--no-prefix-sharing", action="store_true",
+        help="compute every prompt whole, even where an earlier one started with the same tokens")
     add("--max-waiting", type=int, default=64,
         help="requests queued for a free slot; more are refused at once with 503 (default 64)")
     add("--batch-shape", choices=BATCH_SHAPES, default="occupied",
@@ -79,10 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
     for flag, value in (("--max-slots", args.max_slots), ("--max-waiting", args.max_waiting),
-                        ("--rate-limit", args.rate_limit)):
+                        ("--rate-limit", args.rate_limit), ("--max-model-len", args.max_model_len),
+                        ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
-    for flag, value in (("--max-body-mib", args.max_body_mib), ("--read-timeout", args.read_timeout)):
+    for flag, value in (("--max-body-mib", args.max_body_mib), ("--read-timeout", args.read_timeout),
+                        ("--kv-memory", 1 if args.kv_memory is None else args.kv_memory)):
         if not value > 0:  # not: NaN too
             parser.error(f"{flag} must be more than 0, got {value}")
     if not args.shutdown_grace >= 0:
@@ -115,7 +128,9 @@ def main(argv=None) -> None:
         chat_template = ChatTemplate.from_hf(args.model, tokenizer) if Path(args.model).is_dir() else None
         model = model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
         engine = Engine(model, tokenizer, max_slots=args.max_slots, max_waiting=args.max_waiting,
-                        batch_shape=args.batch_shape)
+                        batch_shape=args.batch_shape, max_model_len=args.max_model_len,
+                        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
+                        prefill_chunk=args.prefill_chunk, prefix_sharing=not args.no_prefix_sharing)
     name = args.name or args.name_default
     app = create_app(engine, model_name=name, api_keys=args.api_key, requests_per_minute=args.rate_limit,
                      chat_template=chat_template, hosts=[args.host], max_body_bytes=int(args.max_body_mib * 2**20),

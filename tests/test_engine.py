@@ -23,7 +23,8 @@ from model_fixtures import LATER_SHAPES, randomize
 
 from llmscratch.cli import DEFAULT_MODELS
 from llmscratch.deployment import engine as engine_module
-from llmscratch.deployment.engine import Engine, QueueFull, Request, SamplingParams, StopText
+from llmscratch.deployment.engine import Engine
+from llmscratch.deployment.requests import QueueFull, Request, SamplingParams, StopText
 from llmscratch.device import available_memory
 from llmscratch.finetuning.instruct import format_chat, format_prompt
 from llmscratch.model.attention import KVCache, positions_mask
@@ -174,7 +175,8 @@ def test_sixteen_concurrent_requests_match_generate_alone_within_the_derived_tol
     sequences = [tokenizer.encode(p) + tokens[:-1] for p, (tokens, _) in zip(PROMPTS, solos)]
     tolerance = 4 * float64_gap(model, sequences)
     assert 0 < tolerance < 1e-3, tolerance
-    by_request = list(seen.values())  # in order of admission: the order of submission
+    by_request = [next(logits for request, logits in seen.items() if request.prompt_ids == tokenizer.encode(p))
+                  for p in PROMPTS]
     for prompt, result, (tokens, logits), batched in zip(PROMPTS, results, solos, by_request):
         assert result.token_ids == (tokens[:-1] if tokens[-1] == eos else tokens), prompt  # EOS ends, unsent
         assert result.text == tokenizer.decode(result.token_ids)
@@ -206,11 +208,11 @@ def test_fixed_batch_shape_is_bitwise_independent_of_the_other_requests(base):
     order = list(range(len(PROMPTS)))
     rng.shuffle(order)  # the five land in other rows, beside other requests, admitted at other steps
     together = submit_all(engine, [PROMPTS[i] for i in order], [settings_[i] for i in order], tokenizer)
-    logits_together = list(seen.values())
     for i, (result, logits) in enumerate(alone):
         j = order.index(i)
         assert together[j].token_ids == result.token_ids and together[j].text == result.text
-        assert all(torch.equal(a, b) for a, b in zip(logits_together[j], logits)), PROMPTS[i]
+        mine = next(v for request, v in seen.items() if request.prompt_ids == tokenizer.encode(PROMPTS[i]))
+        assert len(mine) == len(logits) and all(torch.equal(a, b) for a, b in zip(mine, logits)), PROMPTS[i]
 
 
 # --------------------------------------------------------------------------- the scheduler
@@ -344,12 +346,11 @@ def test_a_request_that_fills_the_context_exactly_ends_at_its_length(base):
 def test_a_request_whose_first_sample_fails_ends_in_an_error_and_the_thread_serves_on(base):
     model, tokenizer = base
     engine = Engine(model, tokenizer, max_slots=2)
-    prefill = engine._prefill
-    engine._prefill = lambda group: torch.full((len(group), model.config.vocab_size), float("nan"))
+    engine.model = lambda ids, *args, **kwargs: torch.full((*ids.shape, model.config.vocab_size), float("nan"))
     with engine:
         failed = engine.submit(tokenizer.encode("Call me"), SamplingParams(max_tokens=5, temperature=1.0, seed=0))
         assert failed.result(timeout=60).finish_reason == "error"
-        engine._prefill = prefill
+        engine.model = model
         after = engine.submit(tokenizer.encode("Ahab"), SamplingParams(max_tokens=5, temperature=1.0, seed=0))
         assert after.result(timeout=60).finish_reason == "length"
         assert engine._thread.is_alive() and engine.running == 0
@@ -496,48 +497,54 @@ def forbid_big_allocations(monkeypatch, elements: int = 2**22) -> None:
     guard("empty")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_a_cache_too_large_for_the_memory_free_is_refused_before_allocating(monkeypatch, kind):
+def pool_bytes(engine: Engine) -> int:
+    return sum(t.nbytes for group in engine.cache.groups for t in group.keys + group.values)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma"])
+def test_without_a_budget_the_cache_takes_what_the_slots_need_within_half_the_free_memory(monkeypatch, kind):
     model, tokenizer = tiny(kind, context_length=LONG_CONTEXT), ByteTokenizer()
-    per_slot = 2 * LONG_CONTEXT * 2 * model.config.kv_heads * model.config.head_dim * 4  # keys and values, 2 layers
-    assert engine_module.kv_cache_bytes(model, 16, LONG_CONTEXT) == 16 * per_slot
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: 12 * per_slot)
+    one = engine_module.kv_cache_bytes(model, 1, LONG_CONTEXT)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 12 * one)
+    forbid_big_allocations(monkeypatch, elements=6 * one // 4 // 2 + 1)  # float32: half of 12 sequences, per tensor
+    engine = Engine(model, tokenizer)  # the default 16 slots need 16 sequences' worth: 6 are given
+    assert engine.cache_bytes == pool_bytes(engine) <= 6 * one + 2 * one // 100
+    assert "6 sequences of 40,960 positions fit" in engine.cache_description, engine.cache_description
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 10**12)
+    small = Engine(tiny(kind), tokenizer, max_slots=3)  # plenty free: what 3 sequences of the context need
+    assert small.cache_bytes == pool_bytes(small)
+    assert "3 sequences of 40 positions fit" in small.cache_description, small.cache_description
+
+
+def test_a_budget_beyond_half_the_free_memory_is_refused_before_allocating(monkeypatch):
+    model = tiny("llama", context_length=LONG_CONTEXT)
+    one = engine_module.kv_cache_bytes(model, 1, LONG_CONTEXT)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 12 * one)
     forbid_big_allocations(monkeypatch)
     with pytest.raises(ValueError) as refused:
-        Engine(model, tokenizer)  # the default 16 slots
-    message = str(refused.value)
-    for part in [f"{16 * per_slot:,} bytes", "16 slots x 40,960 positions", "free on cpu",
-                 "--max-slots (6 fit)", "--dtype bfloat16"]:
-        assert part in message, (part, message)
+        Engine(model, ByteTokenizer(), kv_memory=7 * one)
+    for part in [f"{7 * one:,} bytes", "free on cpu", "lower --kv-memory"]:
+        assert part in str(refused.value), (part, str(refused.value))
 
 
-def test_a_huge_max_slots_is_refused_on_this_machine_before_allocating(monkeypatch):
-    model = tiny("llama", context_length=LONG_CONTEXT)  # 10 MiB a slot: 100,000 slots are 1 TB
-    forbid_big_allocations(monkeypatch)
-    with pytest.raises(ValueError, match=r"100,000 slots .* free on cpu .*--max-slots \([\d,]+ fit\)"):
-        Engine(model, ByteTokenizer(), max_slots=100_000)
-
-
-def test_a_context_too_long_for_one_slot_says_so_and_a_bfloat16_model_is_not_told_to_use_bfloat16(monkeypatch):
+def test_a_context_too_long_for_one_sequence_says_so_and_a_bfloat16_model_is_not_told_to_use_bfloat16(monkeypatch):
     model = tiny("gpt2", context_length=LONG_CONTEXT).to(torch.bfloat16)
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 20_000)  # a block of 16 positions fits
     forbid_big_allocations(monkeypatch)
-    with pytest.raises(ValueError, match="not one slot fits; use a device with more memory$"):
+    with pytest.raises(ValueError, match=r"lower --max-model-len \(one sequence .*\) or use a device with more memory$"):
         Engine(model, ByteTokenizer(), max_slots=2)
+    engine = Engine(model, ByteTokenizer(), max_slots=2, max_model_len=8)  # short sequences fit: it serves them
+    assert engine.context_length == 8
 
 
-@pytest.mark.parametrize("kind", sorted(TINY))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cache_bytes_told_at_start_are_the_bytes_allocated(monkeypatch, kind, dtype):
-    model = tiny(kind).to(dtype)
-    expected = engine_module.kv_cache_bytes(model, 3, model.config.context_length)
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: int(expected / engine_module.CACHE_SHARE))
-    engine = Engine(model, ByteTokenizer(), max_slots=3)  # exactly the share: it fits
-    assert engine.cache_bytes == expected == sum(c.keys.nbytes + c.values.nbytes for c in engine.caches)
-    assert engine.cache_description.startswith("KV cache ") and "3 slots x 40 positions" in engine.cache_description
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: int(expected / engine_module.CACHE_SHARE) - 1)
-    with pytest.raises(ValueError, match="--max-slots \\(2 fit\\)"):
-        Engine(model, ByteTokenizer(), max_slots=3)
+def test_a_pool_too_small_for_one_request_is_a_clear_error_at_submission():
+    model = tiny("llama")
+    budget = engine_module.kv_cache_bytes(model, 1, 16, block_size=4)  # room for 16 positions, 4 blocks
+    engine = Engine(model, ByteTokenizer(), max_slots=2, kv_memory=budget, block_size=4)
+    assert "one sequence of at most 16 positions fits" in engine.cache_description, engine.cache_description
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=13))  # 16 positions: fits
+    with pytest.raises(ValueError, match=r"cannot hold one sequence of 17 positions \(3 of prompt, 14 of completion"):
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=14))
 
 
 def test_the_memory_free_on_a_cpu_is_known_and_at_most_what_linux_says():
@@ -554,7 +561,7 @@ def test_a_cache_too_large_for_the_gpu_is_refused_naming_its_free_memory(monkeyp
     model = tiny("llama", context_length=LONG_CONTEXT).cuda()
     free = available_memory(model.token_embedding.weight.device)
     assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
-    with pytest.raises(ValueError, match=r"free on cuda:0 .*--max-slots"):
-        Engine(model, ByteTokenizer(), max_slots=100_000)
+    with pytest.raises(ValueError, match=r"free on cuda:0 .*--kv-memory"):
+        Engine(model, ByteTokenizer(), kv_memory=free)
     engine = Engine(model, ByteTokenizer(), max_slots=2)
-    assert engine.cache_bytes == sum(c.keys.nbytes + c.values.nbytes for c in engine.caches)
+    assert engine.cache_bytes == pool_bytes(engine) <= free // 2

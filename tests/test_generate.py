@@ -19,6 +19,7 @@ from llmscratch.model.generate import (
     generate,
     generate_text,
     sample_next_token,
+    scaled_logits,
     stream,
     stream_text,
     top_k_filter,
@@ -247,6 +248,25 @@ def test_a_tiny_temperature_samples_the_largest_logits(temperature):
     model = tiny("llama")
     idx = prompts(3, 5, model.config.vocab_size)
     assert torch.equal(generate(model, idx, 10, temperature=1e-45, generator=generator), generate(model, idx, 10))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-30, 1e-3, 0.7, 1.0, 3.0])
+def test_scaling_by_the_temperature_without_float64_matches_float64(temperature):
+    """What sampling does on MPS (no float64 there): the same probabilities, never NaN, however small the
+    temperature; and no float64 tensor is made."""
+    logits = torch.tensor([[2.0, 1.0, 2.0 - 1e-6, -3.0], [0.5, 3.0, 3.0, -1.0], [30.0, -20.0, 29.5, 0.0]])
+
+    class NoFloat64(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            assert not (isinstance(out, torch.Tensor) and out.dtype == torch.float64), func
+            return out
+
+    with NoFloat64():
+        narrow = torch.softmax(scaled_logits(logits, temperature, torch.float32), dim=-1)
+    wide = torch.softmax(scaled_logits(logits, temperature, torch.float64), dim=-1)
+    assert not narrow.isnan().any()
+    assert torch.allclose(narrow, wide, rtol=1e-5, atol=1e-6), (narrow, wide)
 
 
 @pytest.mark.slow

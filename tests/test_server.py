@@ -219,7 +219,7 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(server):
 
 
 def test_metrics_are_prometheus_text(server):
-    url, _ = server
+    url, engine = server
     client(url).completions.create(model="base", prompt="Ahab", max_tokens=3)
     text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
@@ -228,6 +228,17 @@ def test_metrics_are_prometheus_text(server):
     assert values["llmscratch_time_to_first_token_seconds_count"] >= 1
     assert 'llmscratch_time_to_first_token_seconds{quantile="0.5"}' in values
     assert "# TYPE llmscratch_tokens_per_second gauge" in text
+    assert values["llmscratch_kv_cache_usage"] == 0
+    assert values["llmscratch_kv_cache_bytes"] == pytest.approx(engine.cache_bytes, rel=1e-5)  # six digits written
+    assert values["llmscratch_preempted_total"] == engine.stats.preempted
+    # The same prompt again: its first block comes from the cache, and the counter says how many tokens it held
+    prompt = "Call me Ishmael. Some years ago, never mind how long precisely, having little money in my purse"
+    before = values["llmscratch_prompt_tokens_cached_total"]
+    for _ in range(2):
+        client(url).completions.create(model="base", prompt=prompt, max_tokens=1)
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["llmscratch_prompt_tokens_cached_total"] - before >= engine.cache.block_size
 
 
 def test_the_chat_page_is_served_at_the_root(server):
@@ -266,9 +277,11 @@ def test_serve_py_serves_with_a_key_from_the_environment_until_stopped():
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
-    # the KV cache's bytes: 4 slots (--max-slots) x 256 positions x 6 blocks x (keys + values) x 4 kv heads x 32 widths
-    # x 4 bytes
-    cache = f"KV cache {4 * 256 * 6 * 2 * 4 * 32 * 4 / 2**20:.1f} MiB (4 slots x 256 positions, float32)"
+    # the KV cache: 4 slots (--max-slots) x 256 positions in blocks of 16 (and the null block) x 6 layers x (keys +
+    # values) x 4 kv heads x 32 widths x 4 bytes
+    blocks = 4 * 256 // 16
+    cache = (f"paged KV cache {(blocks + 1) * 16 * 6 * 2 * 4 * 32 * 4 / 2**20:.1f} MiB ({blocks} blocks for 6 full "
+             f"layers, 16 positions each; 4 sequences of 256 positions fit), float32")
     assert f"serving base (5.8M parameters, float32, cpu; {cache}; 2 API key(s); the instruction template)" in output
 
 

@@ -39,8 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from llmscratch.deployment.engine import MAX_LOGPROBS, Engine, Event, QueueFull, SamplingParams, TokenLogprob
+from llmscratch.deployment.engine import Engine
 from llmscratch.deployment.guard import MAX_BODY_BYTES, READ_TIMEOUT, APIError, Guard, RateLimit, host_names, http_error
+from llmscratch.deployment.requests import MAX_LOGPROBS, Event, QueueFull, SamplingParams, TokenLogprob
 from llmscratch.finetuning.instruct import TEMPLATE_MARKERS, format_chat
 from llmscratch.model.generate import prompt_ids as text_prompt_ids
 from llmscratch.model.generate import with_bos
@@ -613,12 +614,20 @@ def prometheus_text(engine: Engine) -> str:
         lines.extend(f"llmscratch_{name}{labels} {value:.6g}" for labels, value in samples)
 
     metric("queue_length", "gauge", "Requests waiting for a slot.", [("", engine.queued)])
-    metric("running_sequences", "gauge", "Sequences being decoded (occupied slots).", [("", engine.running)])
+    metric("running_sequences", "gauge", "Sequences being prefilled or decoded (occupied slots).",
+           [("", engine.running)])
     metric("slots", "gauge", "Sequences that can run at once.", [("", engine.max_slots)])
     metric("requests", "counter", "Requests accepted.", [("_total", stats.submitted)])
     metric("requests_finished", "counter", "Requests ended, by reason (stop, length, cancelled, error).",
            [(f'_total{{reason="{reason}"}}', count) for reason, count in sorted(stats.finished.items())])
-    metric("prompt_tokens", "counter", "Prompt tokens prefilled.", [("_total", stats.prompt_tokens)])
+    metric("kv_cache_usage", "gauge", "Share of the KV cache's blocks that running sequences hold (0 to 1).",
+           [("", engine.cache.usage())])
+    metric("kv_cache_bytes", "gauge", "Bytes of the KV cache's pool.", [("", engine.cache_bytes)])
+    metric("preempted", "counter", "Sequences preempted when the KV cache was full (recomputed when readmitted).",
+           [("_total", stats.preempted)])
+    metric("prompt_tokens", "counter", "Prompt tokens of the requests admitted.", [("_total", stats.prompt_tokens)])
+    metric("prompt_tokens_cached", "counter", "Prompt tokens whose keys and values came from a shared prefix.",
+           [("_total", stats.cached_tokens)])
     metric("generated_tokens", "counter", "Tokens generated.", [("_total", stats.tokens)])
     metric("tokens_per_second", "gauge", f"Tokens decoded per second over the last {stats.window:.0f} s.",
            [("", stats.tokens_per_second())])

@@ -156,6 +156,14 @@ class KVCache:
             self.values[rows, :, input_pos] = values.transpose(1, 2)
         return self.keys[:batch_size], self.values[:batch_size]  # (B, n_kv, T_max, hs)
 
+    def attend(self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor,
+               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``write``, then what attention reads: the whole cache (B, n_kv, T_max, hs) twice and the mask of the
+        positions each query may see (``positions_mask``). A paged cache (``llmscratch.model.paged``) answers the
+        same call with the blocks of each sequence."""
+        keys, values = self.write(keys, values, input_pos)
+        return keys, values, positions_mask(input_pos, keys.size(-2), window)
+
 
 class MultiHeadAttention(nn.Module):
     """Causal self-attention with n_heads query heads sharing n_kv_heads key/value heads.
@@ -223,7 +231,7 @@ class MultiHeadAttention(nn.Module):
         passes (a new position is then new data, not a new graph); (B, T) for rows at positions of their own.
         rope: rotate queries and keys at those positions (a table the model shares across layers).
         kv_cache: this layer's cache; x's keys and values are written at their positions and x attends
-        to the whole cache, masked to the positions up to its own (``KVCache.write``).
+        to what the cache holds, masked to the positions up to its own (``KVCache.attend``, or a paged cache's).
         need_weights: also return the weights (B, nh, T, S), computed by the explicit path whatever
         ``fused`` says (the fused kernel never forms them).
         Returns (B, T, d_out), or (output, weights) when need_weights.
@@ -244,8 +252,7 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             if input_pos is None:
                 input_pos = torch.arange(start_pos, start_pos + seq_len, device=x.device)  # (T,)
-            k, v = kv_cache.write(k, v, input_pos)  # (B, n_kv, S, hs) with S = the cache's max_seq_len
-            mask = positions_mask(input_pos, k.size(-2), window)  # (T, S), or (B, 1, T, S) for per-row positions
+            k, v, mask = kv_cache.attend(k, v, input_pos, window)  # (B, n_kv, S, hs) x2, (T, S) or (B, 1, T, S)
         elif window is not None and window < seq_len:  # a window as long as x hides nothing: stay causal
             mask = causal_mask(seq_len, seq_len, x.device, window)  # (T, T): a band
         dropout_p = self.dropout if self.training else 0.0

@@ -19,6 +19,7 @@ from llmscratch.model.attention import KVCache
 from llmscratch.model.checks import check_generation
 from llmscratch.model.decode_kernels import OneRowMath
 from llmscratch.model.gpt import GPT, evaluating
+from llmscratch.model.paged import PagedKVCache
 
 
 # --------------------------------------------------------------------------- sampling
@@ -76,9 +77,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None =
     """
     # < 1 sharpens the distribution, > 1 flattens it. Shifted so that the largest logit is 0, in
     # float64 where any float temperature is a nonzero number: a tiny one sends the others to
-    # -inf, never inf / inf = NaN (softmax is unchanged by the shift).
-    shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)  # (B, V), all <= 0
-    logits = (shifted / temperature).float()  # (B, V)
+    # -inf, never inf / inf = NaN (softmax is unchanged by the shift). MPS has no float64: there the
+    # temperature is kept at float32's smallest normal number at least, which does the same.
+    logits = scaled_logits(logits, temperature, torch.float32 if logits.device.type == "mps" else torch.float64)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
@@ -86,6 +87,15 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None =
     # Sample from probabilities: multinomial treats its input as unnormalised weights, so
     # log-probabilities (negative numbers) would be a silent, wrong distribution.
     return torch.softmax(logits, dim=-1)  # (B, V)
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float, wide: torch.dtype) -> torch.Tensor:
+    """logits / temperature in float32, shifted so that the largest is 0, computed in ``wide`` (float64, or float32
+    on a device without float64, with the temperature kept at float32's smallest normal number at least)."""
+    if wide == torch.float32:
+        temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    shifted = logits.to(wide) - logits.to(wide).amax(dim=-1, keepdim=True)  # (B, V), all <= 0
+    return (shifted / temperature).float()  # (B, V)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -149,6 +159,26 @@ def prefill(model: GPT, idx: torch.Tensor, kv_caches: list[KVCache]) -> torch.Te
     call to call, so this step is left to the eager kernels.
     """
     return model(idx, kv_caches)[:, -1]  # (B, V): only the last position predicts a new token
+
+
+def prefilled_cache(model: GPT, idx: torch.Tensor, samples: int, length: int) -> tuple[PagedKVCache, torch.Tensor]:
+    """A paged cache holding the prompts idx (B, T), each run once and shared by its ``samples`` rows (forked: a
+    row copies a block only when it writes into it), with every block up to ``length`` positions given out
+    (``PagedKVCache.freeze``). Returns it and the next-token logits (B * samples, V), row b * samples + j for
+    sample j of prompt b."""
+    prompts = list(range(idx.size(0)))
+    rows = [(b, j) for b in prompts for j in range(samples)]
+    cache = PagedKVCache(model, sequences=len(rows), max_model_len=length, lookahead=length, prefix_sharing=False)
+    for b in prompts:
+        cache.add((b, 0), ())
+    ids, positions = cache.prepare([(b, 0) for b in prompts], idx.tolist())
+    logits = model(ids, cache.layers, input_pos=positions)[:, -1]  # (b, V)
+    cache.commit([(b, 0) for b in prompts])
+    for b, j in rows:
+        if j:
+            cache.fork((b, 0), (b, j))
+    cache.freeze(rows, length)
+    return cache, logits.repeat_interleave(samples, dim=0)  # (B, V)
 
 
 def decode_one_token(model: GPT, token: torch.Tensor, input_pos: torch.Tensor,
@@ -229,19 +259,15 @@ def _decode(model, idx, max_new_tokens, choose, eos_id, pad_id, use_cache, step,
         # as long as asked, its memory stays one window).
         slides = total_len - 1 > cache_len
         recent = idx[:, -context_length:].repeat_interleave(samples, dim=0)  # (B, <= context_length)
-        kv_caches = model.make_kv_caches(batch_size, cache_len) if cache_len else None
-        if kv_caches is not None and cuda_graphs:  # the graph writes them where they are, never a copy
-            for cache in kv_caches:
-                torch._dynamo.mark_static_address(cache.keys)
-                torch._dynamo.mark_static_address(cache.values)
-        if kv_caches is not None:  # each prompt once, into the first rows; then copied to its samples' rows
-            logits = prefill(model, idx, [cache.rows(0, prompts) for cache in kv_caches])  # (b, V)
-            for cache in kv_caches if samples > 1 else ():
-                cache.keys.copy_(cache.keys[:prompts].repeat_interleave(samples, dim=0))
-                cache.values.copy_(cache.values[:prompts].repeat_interleave(samples, dim=0))
+        if cache_len:
+            cache, logits = prefilled_cache(model, idx, samples, cache_len)  # (B, V)
+            if cuda_graphs:  # the graph writes the blocks where they are, never a copy
+                for group in cache.groups:
+                    for tensor in group.keys + group.values:
+                        torch._dynamo.mark_static_address(tensor)
+            kv_caches = cache.layers
         else:
-            logits = model(idx[:, -context_length:])[:, -1]  # (b, V)
-        logits = logits.repeat_interleave(samples, dim=0)  # (B, V)
+            logits = model(idx[:, -context_length:])[:, -1].repeat_interleave(samples, dim=0)  # (B, V)
         input_pos = torch.tensor([prompt_len], device=idx.device)  # (1,): where the next token is fed
         finished = torch.zeros(batch_size, dtype=torch.bool, device=idx.device)  # (B,)
         for length in range(prompt_len + 1, total_len + 1):  # tokens so far, the new one included
