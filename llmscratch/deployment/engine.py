@@ -38,7 +38,7 @@ from llmscratch.deployment.requests import (MAX_LOGPROBS, Event, QueueFull, Requ
 from llmscratch.device import available_memory
 from llmscratch.model.generate import sample_next_token
 from llmscratch.model.gpt import GPT
-from llmscratch.model.paged import PagedKVCache, describe
+from llmscratch.model.paged import PagedKVCache, describe, feed
 from llmscratch.training.memory import format_bytes
 
 __all__ = ["BATCH_SHAPES", "CACHE_SHARE", "MAX_LOGPROBS", "Engine", "EngineStats", "Event", "QueueFull", "Request",
@@ -322,9 +322,7 @@ class Engine:
     def _forward(self, rows: list[Running | None], chunks: list[list[int]]) -> torch.Tensor:
         """Each row's chunk fed at its next positions (None: a dummy row); the logits (rows, T, V)."""
         fixed = self.cache.blocks_for(self.context_length) if self.batch_shape == "fixed" else 0
-        ids, positions = self.cache.prepare(rows, chunks, read_blocks=fixed)
-        logits = self.model(ids, self.cache.layers, input_pos=positions)  # (rows, T, V)
-        self.cache.commit([s for s in rows if s is not None])
+        logits = feed(self.model, self.cache, rows, chunks, read_blocks=fixed)  # (rows, T, V)
         for sequence, chunk in zip(rows, chunks):
             if sequence is not None:
                 sequence.fed += len(chunk)

@@ -19,7 +19,7 @@ from llmscratch.model.attention import KVCache
 from llmscratch.model.checks import check_generation
 from llmscratch.model.decode_kernels import OneRowMath
 from llmscratch.model.gpt import GPT, evaluating
-from llmscratch.model.paged import PagedKVCache
+from llmscratch.model.paged import PagedKVCache, feed
 
 
 # --------------------------------------------------------------------------- sampling
@@ -171,9 +171,7 @@ def prefilled_cache(model: GPT, idx: torch.Tensor, samples: int, length: int) ->
     cache = PagedKVCache(model, sequences=len(rows), max_model_len=length, lookahead=length, prefix_sharing=False)
     for b in prompts:
         cache.add((b, 0), ())
-    ids, positions = cache.prepare([(b, 0) for b in prompts], idx.tolist())
-    logits = model(ids, cache.layers, input_pos=positions)[:, -1]  # (b, V)
-    cache.commit([(b, 0) for b in prompts])
+    logits = feed(model, cache, [(b, 0) for b in prompts], idx.tolist())[:, -1]  # (b, V)
     for b, j in rows:
         if j:
             cache.fork((b, 0), (b, j))

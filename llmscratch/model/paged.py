@@ -167,8 +167,8 @@ class PagedKVCache:
     The budget is shared between the layer groups so that they run out together when every sequence is
     ``max_model_len`` long: a sliding group needs only the blocks of a window (plus ``lookahead`` positions:
     the most a step feeds at once; ``rollback``: the positions ``truncate`` may take back, kept that much longer).
-    Use: ``add`` a sequence (it takes any cached prefix), ``prepare`` a step's new tokens, run
-    ``model(ids, cache.layers, input_pos=positions)``, then ``commit``; ``free`` it when done.
+    Use: ``add`` a sequence (it takes any cached prefix), then ``feed`` it tokens (``prepare`` them, run
+    ``model(ids, cache.layers, input_pos=positions)``, ``commit``) as often as needed; ``free`` it when done.
     """
 
     def __init__(self, model, memory: int | None = None, *, sequences: int | None = None, block_size: int = 16,
@@ -423,6 +423,16 @@ class PagedKVCache:
                     if table[i] != NULL_BLOCK:
                         group.release(table[i])
                         table[i] = NULL_BLOCK
+
+
+def feed(model, cache: PagedKVCache, seq_ids: Sequence, tokens: Sequence[Sequence[int]],
+         read_blocks: int = 0) -> torch.Tensor:
+    """The one step every decoding path takes: each sequence's new tokens fed at its next positions, their keys and
+    values kept; the logits (B, T, V) (rows padded to the longest: see ``PagedKVCache.prepare``)."""
+    ids, positions = cache.prepare(seq_ids, tokens, read_blocks)
+    logits = model(ids, cache.layers, input_pos=positions)  # (B, T, V)
+    cache.commit([s for s in seq_ids if s is not None])
+    return logits
 
 
 def describe(cache: PagedKVCache) -> str:
