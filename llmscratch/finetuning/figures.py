@@ -1,8 +1,9 @@
-"""Chapter 5's diagram: a LoRA layer drawn to its shapes (``llmscratch.drawing``)."""
+"""Chapter 5's figures: a LoRA layer drawn to its shapes (``llmscratch.drawing``), and what finetuning forgot."""
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import PercentFormatter
 
 from llmscratch.drawing import GREEN, GREY, ORANGE, arrow, box, canvas
 from llmscratch.finetuning.lora import LoRALinear
@@ -49,5 +50,26 @@ def draw_lora(layer: LoRALinear) -> Figure:
     ax.set_title(f"LoRA, rank r={rank}, α={layer.alpha:g}: y = x Wᵀ + (α/r) x Aᵀ Bᵀ; "
                  f"{trained:,} trained numbers beside W's {layer.base.weight.numel():,} "
                  f"({trained / layer.base.weight.numel():.1%})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def draw_forgetting(panels: list[tuple[str, dict[str, tuple[float, float]], float]], base_bits: float) -> Figure:
+    """Exact match against bits per byte on the held-out novel, one point per run, one panel per
+    (title, {run: (exact match, bits per byte)}, a uniform guess's bits per byte); ``base_bits`` is the base model's."""
+    fig = Figure(figsize=(11, 4))
+    for ax, (title, points, uniform_bits) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        for i, (name, (match, bits)) in enumerate(points.items()):
+            ax.plot(bits, match, "o", color=f"C{i}", label=name, gid=name)
+        ax.axvline(base_bits, color="C7", ls="--", lw=1, label="base model")
+        ax.axvline(uniform_bits, color="k", ls=":", lw=1, label="a uniform guess")
+        ax.set(xlabel="bits per byte on the held-out novel (lower: less forgotten)", ylabel="exact match", title=title)
+        # Room for a whole marker above the top point and below 0: autoscaled to the points, or cut at 0, the
+        # panel's edge would cut a marker in half.
+        top = 1.1 * max(match for match, _ in points.values()) or 1.0
+        ax.set_ylim(-0.05 * top, top)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
