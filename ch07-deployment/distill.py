@@ -7,7 +7,8 @@
 The student keeps the teacher's tokenizer, vocabulary, context and architecture at a smaller shape (the
 student flags), and trains on the teacher's own training text, the first 90% of Moby-Dick, with the loss
 alpha * T^2 * KL(teacher || student, both at temperature T) + (1 - alpha) * cross-entropy
-(llmscratch.deployment.distill; by default T = 1 and alpha = 1, the teacher's distribution alone). Then both are
+(llmscratch.deployment.distill; by default T = 1 and alpha = 1, the teacher's distribution alone; the T^2 keeps
+the KL's gradient on the cross-entropy's scale only at high T, where softmax(z / T) is nearly flat). Then both are
 scored on the held-out tenth: bits per byte, and how close the student came to the teacher (the share of
 its drafts a speculative decoder would keep). With --alpha 0 the run is the ordinary pretraining of the
 same student, step for step (same weights, data order and schedule). The run folder (--out-dir) gets
