@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_fixtures import LATER_SHAPES, randomize
 from processes import run as run_process
 
 from llmscratch.alignment.config import GRPOConfig
@@ -23,9 +24,10 @@ from llmscratch.assets import read_instructions
 from llmscratch.config import ConfigError
 from llmscratch.finetuning.config import FinetuneConfig
 from llmscratch.finetuning.finetune import check_trainable, set_trainable
-from llmscratch.finetuning.instruct import Response, format_prompt
+from llmscratch.finetuning.instruct import Response, format_prompt, parse_response
 from llmscratch.model.checkpoint import export_model, model_from_checkpoint
 from llmscratch.model.config import GPTConfig
+from llmscratch.model.generate import generate
 from llmscratch.model.gpt import GPT
 from llmscratch.model.losses import IGNORE_INDEX
 from llmscratch.model.quantize import quantize
@@ -179,6 +181,30 @@ def test_answer_logprobs_equal_the_plain_rows_in_value_and_gradient(tiny):
         assert (a - b).abs().max() <= 1e-12 * a.abs().max(), name
 
 
+def test_answer_logprobs_of_a_sliding_window_model_equal_the_plain_rows_in_value_and_gradient():
+    """Gemma-like layers of a 5-key window: the paged cache forgets the prompt blocks no window sees (a prompt of
+    37 tokens spans three blocks of 16), and the answers, forked from the prompt, still score as the plain rows."""
+    model = GPT(GPTConfig(**{**LATER_SHAPES["gemma"], "context_length": 64})).double()
+    randomize(model, seed=3, scale=0.2)
+    model.eval()
+    groups = [Group({}, list(range(2, 39)), [[40, 41, 42, 43, 44, 45], [46], [47, 48, 49]], [], []),
+              Group({}, [7, 8, 9], [[50, 51], [52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65]], [], [])]
+    inputs, targets = rollout_batch(groups, 0)
+    plain = token_logprobs(model, inputs, targets)  # (N, T)
+    fast, mask = answer_logprobs(model, groups)  # (N, A)
+    weights = torch.zeros_like(fast)  # (N, A)
+    picked = torch.zeros_like(fast)  # (N, A): plain's answer tokens, moved to the front
+    for i, (prompt, answer) in enumerate((g.prompt, a) for g in groups for a in g.answers):
+        start = len(prompt) - 1
+        picked[i, : len(answer)] = plain[i, start : start + len(answer)]
+        weights[i, : len(answer)] = torch.arange(1.0, 1 + len(answer)) * (i + 1)
+    assert torch.equal(mask, picked != 0) and torch.allclose(fast, picked, atol=1e-12, rtol=0)
+    plain_grads = torch.autograd.grad((picked * weights).sum(), list(model.parameters()))
+    fast_grads = torch.autograd.grad((fast * weights).sum(), list(model.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), plain_grads, fast_grads):
+        assert (a - b).abs().max() <= 1e-12 * a.abs().max(), name
+
+
 def test_sampled_groups_end_at_the_first_end_of_text_and_repeat_with_the_seed(tiny):
     model, tokenizer, _ = tiny
     records = read_instructions()[:7]
@@ -193,6 +219,26 @@ def test_sampled_groups_end_at_the_first_end_of_text_and_repeat_with_the_seed(ti
             assert eos not in answer[:-1] and 1 <= len(answer) <= 12
             assert response.finished == (answer[-1] == eos)
             assert value == reward(group.record, response, 0.1)
+
+
+def test_sampled_groups_are_the_samples_of_each_prompt_repeated_group_size_times(tiny):
+    """sample_groups shares each prompt's cache among its group (forked blocks); the answers and rewards for a seed
+    are those of ``generate`` on the prompts repeated, every row prefilled on its own, drawing from one generator."""
+    model, tokenizer, _ = tiny
+    records = read_instructions()[:7]
+    groups = sample_groups(model, tokenizer, records, 3, 12, 1.0, torch.Generator().manual_seed(5), 0.1)
+    eos, generator = tokenizer.eot_token, torch.Generator().manual_seed(5)
+    prompts = [tokenizer.encode(format_prompt(r), disallowed_special=()) for r in records]
+    answers = {}
+    for length in dict.fromkeys(map(len, prompts)):  # sample_groups' batches: one per prompt length, in order
+        chosen = [i for i, p in enumerate(prompts) if len(p) == length]
+        idx = torch.tensor([prompts[i] for i in chosen]).repeat_interleave(3, dim=0)  # (p * 3, length)
+        out = generate(model, idx, 12, temperature=1.0, eos_id=eos, generator=generator, vocab_size=tokenizer.n_vocab)
+        for row, new in enumerate(out[:, length:].tolist()):
+            answers.setdefault(chosen[row // 3], []).append(new[: new.index(eos) + 1] if eos in new else new)
+    assert len(set(map(len, prompts))) > 1 and [g.answers for g in groups] == [answers[i] for i in range(7)]
+    rewards = [[reward(r, parse_response(a, tokenizer, eos), 0.1) for a in answers[i]] for i, r in enumerate(records)]
+    assert [g.rewards for g in groups] == rewards and len({a for i in answers for a in map(tuple, answers[i])}) > 7
 
 
 def test_pass_at_k_scores_count_right_samples_per_family(tiny, monkeypatch):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import randomize
+from model_fixtures import LATER_SHAPES, randomize
 from processes import run
 
 from llmscratch.deployment import speculative
@@ -86,6 +86,23 @@ def test_greedy_up_to_the_context_limit(kind, prompt_len, new_tokens):
     expected = generate(target, idx, new_tokens)
     for draft in (noisy_copy(target, seed=4, scale=0.02), target):
         assert torch.equal(speculative_generate(target, draft, idx, new_tokens, k=4).tokens, expected)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_with_sliding_window_layers_gives_the_targets_own_tokens(k):
+    """Gemma-like layers of a 5-key window beside a full one: the paged caches forget the blocks no window sees
+    (16 positions each: the 40 positions here span three), yet a rollback never loses one the next round reads."""
+    config = GPTConfig(**{**LATER_SHAPES["gemma"], "context_length": 48})
+    target = GPT(config)
+    randomize(target, seed=0, scale=0.2)
+    target.eval()
+    for prompt_len, new_tokens in [(2, 38), (21, 19), (33, 15)]:
+        idx = prompt(prompt_len, config.vocab_size, seed=prompt_len)
+        expected = generate(target, idx, new_tokens)
+        for draft in (noisy_copy(target, seed=7, scale=0.05), target):
+            out = speculative_generate(target, draft, idx, new_tokens, k=k)
+            assert torch.equal(out.tokens, expected), prompt_len
+            assert out.stats.rejected > 0 or draft is target
 
 
 def test_counts_of_a_draft_that_is_always_right():

@@ -29,6 +29,7 @@ from llmscratch.finetuning.instruct import Response, exact_match, format_prompt,
 from llmscratch.interrupt import StopRequest
 from llmscratch.model.generate import generate
 from llmscratch.model.losses import IGNORE_INDEX
+from llmscratch.model.paged import PagedKVCache, feed
 from llmscratch.progress import progress_bar
 from llmscratch.training.optim import OptimizerStep
 
@@ -183,59 +184,59 @@ def rollout_batch(groups: Sequence[Group], pad_id: int) -> tuple[torch.Tensor, t
     return inputs, targets
 
 
-class SharedPrompt:
-    """One layer's stand-in for a KVCache in ``answer_logprobs``: the first call (the prompts) keeps their keys
-    and values, graph and all; the second (the answers) attends to them, each prompt's repeated for its answers."""
-
-    def __init__(self, answers_per_prompt: int):
-        self.repeats = answers_per_prompt
-        self.keys = self.values = None
-
-    def write(self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor):
-        if self.keys is None:  # the prompts (p, n_kv, L, hs): plain causal attention over themselves
-            self.keys, self.values = keys, values
-            return keys, values
-        # the answers (p * G, n_kv, A, hs) after their prompt's L positions: (p * G, n_kv, L + A, hs)
-        return (torch.cat([self.keys.repeat_interleave(self.repeats, dim=0), keys], dim=2),
-                torch.cat([self.values.repeat_interleave(self.repeats, dim=0), values], dim=2))
-
-
 def answer_logprobs(model: nn.Module, groups: Sequence[Group]) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-probability of every answer token (N, A), A the longest answer, and which are real (N, A):
     ``token_logprobs`` of ``rollout_batch``'s rows with their prompts cut off, computed faster.
 
-    The G answers of a group share their prompt, which is most of each row: the prompts of one
-    length run once (their last position predicts each answer's first token), and the answers
-    then attend to their keys and values (``SharedPrompt``), gradients flowing back through them.
+    The G answers of a group share their prompt, which is most of each row: every prompt runs once into
+    a paged cache (its last position predicts each answer's first token), each is forked for its answers,
+    and all answers are then fed at once, attending to their prompt's keys and values in the shared
+    blocks; gradients flow back through them (the cache's writes and reads are differentiable).
     """
     weight = next(model.parameters())
     device, wide = weight.device, torch.promote_types(weight.dtype, torch.float32)  # float64 for a float64 model
-    counts = [len(g.answers) for g in groups]
-    first_row = [sum(counts[:i]) for i in range(len(groups))]
-    longest = max(len(a) for g in groups for a in g.answers)
-    logprobs = torch.zeros(sum(counts), longest, dtype=wide, device=device)  # (N, A)
-    mask = torch.zeros(sum(counts), longest, dtype=torch.bool, device=device)  # (N, A)
-    buckets: dict[tuple[int, int], list[int]] = {}  # (prompt length, answers per prompt) -> groups
-    for i, group in enumerate(groups):
-        buckets.setdefault((len(group.prompt), counts[i]), []).append(i)
-    for (length, repeats), members in buckets.items():
-        answers = [a for i in members for a in groups[i].answers]
-        width = max(len(a) for a in answers)
-        ids = torch.zeros(len(answers), width, dtype=torch.long, device=device)  # (p * G, W), 0-padded
-        real = torch.zeros(len(answers), width, dtype=torch.bool, device=device)  # (p * G, W)
-        for row, answer in enumerate(answers):
-            ids[row, : len(answer)] = torch.tensor(answer)
-            real[row, : len(answer)] = True
-        caches = [SharedPrompt(repeats) for _ in model.blocks]
-        prompts = torch.tensor([groups[i].prompt for i in members], device=device)  # (p, L)
-        logits = model(prompts, caches)[:, -1:].repeat_interleave(repeats, dim=0)  # (p * G, 1, V)
-        if width > 1:  # answer token t is fed to predict token t + 1
-            logits = torch.cat([logits, model(ids[:, :-1], caches, start_pos=length)], dim=1)  # (p * G, W, V)
-        picked = torch.log_softmax(logits.to(wide), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (p * G, W)
-        rows = torch.tensor([first_row[i] + j for i in members for j in range(repeats)], device=device)
-        logprobs[rows, :width] = torch.where(real, picked, 0.0)
-        mask[rows, :width] = real
-    return logprobs, mask
+    rows = [(i, j) for i, group in enumerate(groups) for j in range(len(group.answers))]  # answer j of group i
+    answers = [groups[i].answers[j] for i, j in rows]
+    cache = _prompts_cache(model, groups)
+    prompts = [(i, 0) for i in range(len(groups))]  # each prompt's sequence goes on as its first answer
+    for seq_id in prompts:
+        cache.add(seq_id, ())
+    logits = feed(model, cache, prompts, [g.prompt for g in groups])  # (P, L, V), rows padded
+    last = torch.tensor([len(g.prompt) - 1 for g in groups], device=device)  # (P,)
+    firsts = logits[torch.arange(len(groups), device=device), last]  # (P, V): predicts each answer's first token
+    logits = firsts[torch.tensor([i for i, _ in rows], device=device)][:, None]  # (N, 1, V)
+    for i, j in rows:
+        if j:
+            cache.fork((i, 0), (i, j))
+    fed = [row for row, answer in enumerate(answers) if len(answer) > 1]  # answer token t predicts token t + 1
+    if fed:
+        following = feed(model, cache, [rows[r] for r in fed], [answers[r][:-1] for r in fed])  # (F, A - 1, V)
+        rest = following.new_zeros(len(rows), *following.shape[1:]).index_copy(
+            0, torch.tensor(fed, device=device), following)  # (N, A - 1, V): rows of one-token answers all zero
+        logits = torch.cat([logits, rest], dim=1)  # (N, A, V)
+    longest = logits.size(1)
+    targets = torch.zeros(len(rows), longest, dtype=torch.long, device=device)  # (N, A), 0-padded
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool, device=device)  # (N, A)
+    for row, answer in enumerate(answers):
+        targets[row, : len(answer)] = torch.tensor(answer)
+        mask[row, : len(answer)] = True
+    picked = torch.log_softmax(logits.to(wide), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N, A)
+    return torch.where(mask, picked, 0.0), mask
+
+
+def _prompts_cache(model: nn.Module, groups: Sequence[Group]) -> PagedKVCache:
+    """A paged cache with exactly the room ``answer_logprobs`` takes: each prompt once, each answer but its last token.
+
+    Its blocks hold one position each: a prompt then ends on a full block, which its answers share as they are, and
+    no block is ever copied on write (a copy in the autograd graph would cost a backward over the whole pool).
+    """
+    positions = sum(len(g.prompt) + sum(len(a) - 1 for a in g.answers) for g in groups)
+    longest = max(len(g.prompt) + len(a) - 1 for g in groups for a in g.answers)
+    # Every position stays in the cache until the forward that reads it (lookahead: all of them), so each layer
+    # group needs the same room per sequence: the count of sequences is in units of the longest (a fraction; half
+    # a position more for the rounding of the product back to blocks).
+    return PagedKVCache(model, sequences=(positions + 0.5) / longest, block_size=1, max_model_len=longest,
+                        lookahead=longest, prefix_sharing=False)
 
 
 def pass_at_k_scores(model: nn.Module, tokenizer, records: Sequence[dict], samples: int, max_new_tokens: int,

@@ -15,9 +15,10 @@ target steps and a (k+1)-token target forward costing v target steps, a round yi
 (1 - a^(k+1)) / (1 - a) tokens (k + 1 when a = 1) for the price of k*c + v target steps, so the
 speed-up over the target alone is that ratio (``predicted_speedup``).
 
-Both models keep a static KV cache written at positions (``llmscratch.model.attention.KVCache``);
-rolling a cache back after rejected guesses is only moving its fill position: the rejected
-entries are masked out until they are overwritten.
+Both models keep their keys and values in a paged KV cache (``llmscratch.model.paged``), the one
+``generate`` and the engine use: each feed is ``paged.feed`` (their one step), and rolling a cache
+back after rejected guesses is ``truncate``, which gives back the blocks of the rejected positions.
+A sliding-window layer keeps the blocks a rollback may need again (``rollback=k``).
 """
 
 import dataclasses
@@ -25,10 +26,10 @@ import math
 
 import torch
 
-from llmscratch.model.attention import KVCache
 from llmscratch.model.checks import check_prompt, check_request, check_sampling
-from llmscratch.model.generate import prefill, sampling_probs
+from llmscratch.model.generate import sampling_probs
 from llmscratch.model.gpt import GPT, evaluating
+from llmscratch.model.paged import PagedKVCache, feed
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -142,7 +143,7 @@ def speculative_generate(target: GPT, draft: GPT, idx: torch.Tensor, max_new_tok
     (temperature 0) or ``accept_draft`` keeps a prefix plus one token: greedy gives the target's
     own tokens, sampling their distribution (the sampling settings shape p and q alike, as
     ``sample_next_token`` does). Generation stops after eos_id. T + max_new_tokens must fit both
-    models' context (no sliding window here). Both models are in eval mode for the call.
+    models' context (no sliding past it). Both models are in eval mode for the call.
     """
     _check_models(target, draft, idx, k)
     check_sampling(temperature, top_k, top_p)
@@ -173,11 +174,18 @@ def _check_models(target: GPT, draft: GPT, idx: torch.Tensor, k: int) -> None:
         raise ValueError(f"the target (on {devices[0]}) and the draft (on {devices[1]}) must be on one device")
 
 
-def _feed(model: GPT, ids: list[int], start: int, kv_caches: list[KVCache]) -> torch.Tensor:
-    """Logits (t, V) of the t ids fed at positions start..start+t-1, their keys and values cached there."""
-    device = model.token_embedding.weight.device
-    positions = torch.arange(start, start + len(ids), device=device)  # (t,)
-    return model(torch.tensor([ids], device=device), kv_caches, input_pos=positions)[0]  # (t, V)
+def _feed(model: GPT, cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
+    """Logits (t, V) of the t ids fed at the sequence's next positions, their keys and values cached there."""
+    return feed(model, cache, [0], [ids])[0]  # (t, V)
+
+
+def _cache(model: GPT, prompt: list[int], total: int, k: int) -> PagedKVCache:
+    """A paged cache for the one sequence (id 0) of ``_decode``: the prompt fed at once, then k + 1 at a time,
+    at most k positions rolled back; the last position ever fed is total - 2 (the final token is never fed)."""
+    cache = PagedKVCache(model, sequences=1, max_model_len=total - 1, lookahead=max(len(prompt) - 1, k + 1),
+                         rollback=k, prefix_sharing=False)
+    cache.add(0, ())
+    return cache
 
 
 def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, generator):
@@ -186,24 +194,22 @@ def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, gen
     counts = dict(rounds=0, drafted=0, accepted=0, rejected=0, target_forwards=0, draft_forwards=0)
     if len(tokens) == total:
         return tokens, SpeculativeStats(**counts)
-    # Each model's cache holds the positions it has seen: all tokens but the last, which the next
-    # round feeds. The last position ever fed is total - 2 (the final token is never fed back).
-    target_caches, draft_caches = target.make_kv_caches(1, total - 1), draft.make_kv_caches(1, total - 1)
+    # Each model's cache holds the positions it has seen (its length): all tokens but the last, which
+    # the next round feeds.
+    target_cache, draft_cache = _cache(target, tokens, total, k), _cache(draft, tokens, total, k)
     if len(tokens) > 1:
-        prefill(target, idx[:, :-1], target_caches)
-        prefill(draft, idx[:, :-1], draft_caches)
+        _feed(target, target_cache, tokens[:-1])
+        _feed(draft, draft_cache, tokens[:-1])
         counts["target_forwards"] += 1
         counts["draft_forwards"] += 1
-    target_seen = draft_seen = len(tokens) - 1
     greedy = temperature == 0.0
     while len(tokens) < total:
         guesses = min(k, total - len(tokens) - 1)  # a full round then yields at most the tokens still wanted
         # The draft guesses one token at a time; its first forward also feeds what it has not seen:
         # the last token, and after a round that kept every guess, its last guess too.
-        pending, drafted, draft_probs = tokens[draft_seen:], [], []
+        pending, drafted, draft_probs = tokens[draft_cache.length(0):], [], []
         for _ in range(guesses):
-            logits = _feed(draft, pending, draft_seen, draft_caches)[-1:]  # (1, V)
-            draft_seen += len(pending)
+            logits = _feed(draft, draft_cache, pending)[-1:]  # (1, V)
             if greedy:
                 guess = int(logits.argmax())
             else:
@@ -212,7 +218,7 @@ def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, gen
             drafted.append(guess)
             pending = [guess]
         # The target scores the last token and every guess in one forward: p_1..p_{guesses+1}.
-        logits = _feed(target, tokens[target_seen:] + drafted, target_seen, target_caches)  # (guesses+1, V)
+        logits = _feed(target, target_cache, tokens[target_cache.length(0):] + drafted)  # (guesses+1, V)
         guess_ids = torch.tensor(drafted, dtype=torch.long, device=logits.device)  # (guesses,)
         if greedy:
             n, token = accept_greedy(logits.argmax(dim=-1), guess_ids)
@@ -229,7 +235,8 @@ def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, gen
             tokens += new[:new.index(eos_id) + 1]
             break
         tokens += new
-        # Roll back: positions from len(tokens) - 1 on hold rejected guesses (or nothing yet), and
-        # are overwritten by the next round before anything attends to them.
-        target_seen, draft_seen = len(tokens) - 1, min(draft_seen, len(tokens) - 1)
+        # Roll back: positions from len(tokens) - 1 on hold rejected guesses (or nothing yet); the next
+        # round feeds them again.
+        target_cache.truncate(0, len(tokens) - 1)
+        draft_cache.truncate(0, min(draft_cache.length(0), len(tokens) - 1))
     return tokens, SpeculativeStats(**counts)
