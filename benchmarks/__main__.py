@@ -41,6 +41,7 @@ BENCHMARKS = {  # name: the command, run from the repository root
     "server_abuse": ["-m", "benchmarks.bench_server_abuse"],  # 200 half-sent connections, 200 MB bodies, a hostile template: 30 s
     "moe": ["-m", "benchmarks.bench_moe"],  # decoding an MoE against the dense main job: about a minute
     "llama_cpp": ["-m", "benchmarks.bench_llama_cpp"],  # needs llama-cpp-python (not a requirement): about 2 minutes
+    "paged": ["-m", "benchmarks.bench_paged"],  # issue 52: a 2.4 GB Qwen3-0.6B folder served, and more: 20 minutes
 }
 
 
