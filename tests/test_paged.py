@@ -353,6 +353,18 @@ def test_prefix_sharing_in_the_engine_skips_the_shared_blocks_and_keeps_the_toke
     assert results[True] == results[False] == [alone(model, p, 6) for p in prompts]
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_requests_arriving_together_with_one_prefix_compute_it_once(kind):
+    """The first is prefilled; the others wait a step for its blocks, then take them (what a GRPO group or a burst
+    of chats with one system prompt does), and answer as generate does."""
+    model = tiny(kind)
+    prefix = random_tokens(model, 3 * BLOCK, seed=21)
+    prompts = [prefix + random_tokens(model, 2, seed) for seed in range(4)]
+    engine = Engine(model, Tokenizer(), max_slots=4, block_size=BLOCK)
+    assert run(engine, prompts, 5) == [alone(model, p, 5) for p in prompts]
+    assert engine.stats.cached_tokens == 3 * len(prefix)
+
+
 def test_a_pool_too_small_for_one_request_is_refused_at_submission_and_a_window_makes_long_ones_fit():
     model = tiny("gemma", layer_types=None)  # every layer slides: a sequence needs one window, whatever its length
     budget = engine_module.kv_cache_bytes(model, 1, 4 * BLOCK, block_size=BLOCK, prefill_chunk=BLOCK)

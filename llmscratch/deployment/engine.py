@@ -5,7 +5,8 @@ pool of ``kv_memory`` bytes, so a sequence holds memory for the tokens it has, n
 Each step it
 1. retires the sequences that finished or whose client left, giving their blocks back at once;
 2. admits waiting requests while a slot is free and the pool has room for their prompt (a prompt that
-   starts like an earlier one takes that one's cached blocks and skips their prefill);
+   starts like an earlier one takes that one's cached blocks and skips their prefill; one that starts
+   like a prompt still being prefilled waits for those blocks to be written);
 3. prefills up to ``prefill_chunk`` prompt tokens, so that a long prompt runs in chunks between
    decoding steps and the running streams keep moving;
 4. decodes every sequence that has a token to feed, in one batched forward; if the pool cannot hold
@@ -249,8 +250,11 @@ class Engine:
                 request.finish("cancelled")
                 self.stats.finished["cancelled"] += 1
                 continue
-            sequence = Running(request, self.slots.index(None))
             share = not (request.params.prompt_logprobs and not request.token_ids)  # its prompt's logits are asked
+            if share and self.cache.prefix_sharing and self._prefix_in_flight(request):
+                self.returning.appendleft(request)  # its prefix will be cached within a step or two: wait for it
+                return
+            sequence = Running(request, self.slots.index(None))
             sequence.fed = self.cache.add(sequence, sequence.tokens if share else ())
             # Room for its first chunk of prompt, and a token more for every sequence already decoding (the later
             # chunks wait for blocks, and the newest sequence gives its own back when an older one needs them)
@@ -268,6 +272,18 @@ class Engine:
             request.admitted = True
             self.stats.cached_tokens += sequence.fed
 
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """Whether a sequence still prefilling starts with at least one more block of this request's prompt than
+        it has fed: admitted now, the request would compute those blocks again instead of sharing them."""
+        tokens, block = request.prompt_ids + request.token_ids, self.cache.block_size
+        for sequence in self.sequences:
+            if sequence.unfed > 1:
+                same = next((i for i, (a, b) in enumerate(zip(tokens, sequence.tokens)) if a != b),
+                            min(len(tokens), len(sequence.tokens)))
+                if (min(same, len(tokens) - 1) // block) * block > sequence.fed:
+                    return True
+        return False
+
     def _decode(self) -> None:
         """Feed every sequence its one unfed token (the last chosen, or a prompt's last) in one forward."""
         decoding = [s for s in self.sequences if s.unfed == 1]
@@ -282,7 +298,7 @@ class Engine:
         if self.batch_shape == "fixed":  # every slot a row, the free ones a dummy token at position 0
             occupied = {s.slot: s for s in decoding}
             rows = [occupied.get(slot) for slot in range(self.max_slots)]
-        logits = self._forward(rows, [[s.tokens[-1]] if s else [0] for s in rows])[:, -1]  # (rows, V)
+        logits = self._forward(rows, [[s.tokens[-1]] if s else [0] for s in rows], last_only=True)[:, -1]  # (rows, V)
         for sequence in decoding:
             if sequence.prompt_logprobs is not None:  # a prompt's last token: nothing of the prompt left to score
                 self._score_prompt(sequence, logits[:0], sequence.fed - 1)
@@ -312,17 +328,19 @@ class Engine:
         sequences = [s for s, _ in work]
         chunks = [s.tokens[s.fed: s.fed + n] for s, n in work]
         starts = [s.fed for s in sequences]
-        logits = self._forward(sequences, chunks)  # (n, T, V)
+        # Only the last position's logits, unless a prompt's logprobs are asked: the rest would be (T, V) unread
+        scoring = any(s.prompt_logprobs is not None for s in sequences)
+        logits = self._forward(sequences, chunks, last_only=not scoring)  # (n, T or 1, V)
         for i, (sequence, start, chunk) in enumerate(zip(sequences, starts, chunks)):
             if sequence.prompt_logprobs is not None:
                 self._score_prompt(sequence, logits[i, : len(chunk)], start)
-        self._chosen({s.slot: logits[i, len(c) - 1] for i, (s, c) in enumerate(zip(sequences, chunks))
+        self._chosen({s.slot: logits[i, len(c) - 1 if scoring else -1] for i, (s, c) in enumerate(zip(sequences, chunks))
                       if s.unfed == 0})
 
-    def _forward(self, rows: list[Running | None], chunks: list[list[int]]) -> torch.Tensor:
-        """Each row's chunk fed at its next positions (None: a dummy row); the logits (rows, T, V)."""
+    def _forward(self, rows: list[Running | None], chunks: list[list[int]], last_only: bool) -> torch.Tensor:
+        """Each row's chunk fed at its next positions (None: a dummy row); the logits (rows, T or 1, V)."""
         fixed = self.cache.blocks_for(self.context_length) if self.batch_shape == "fixed" else 0
-        logits = feed(self.model, self.cache, rows, chunks, read_blocks=fixed)  # (rows, T, V)
+        logits = feed(self.model, self.cache, rows, chunks, read_blocks=fixed, last_only=last_only)
         for sequence, chunk in zip(rows, chunks):
             if sequence is not None:
                 sequence.fed += len(chunk)

@@ -171,7 +171,7 @@ def prefilled_cache(model: GPT, idx: torch.Tensor, samples: int, length: int) ->
     cache = PagedKVCache(model, sequences=len(rows), max_model_len=length, lookahead=length, prefix_sharing=False)
     for b in prompts:
         cache.add((b, 0), ())
-    logits = feed(model, cache, [(b, 0) for b in prompts], idx.tolist())[:, -1]  # (b, V)
+    logits = feed(model, cache, [(b, 0) for b in prompts], idx.tolist(), last_only=True)[:, -1]  # (b, V)
     for b, j in rows:
         if j:
             cache.fork((b, 0), (b, j))

@@ -116,7 +116,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
                 start_pos: int = 0, *, input_pos: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits for ids ``idx`` (B, T) sitting at positions start_pos..start_pos+T-1.
 
         ``input_pos`` (T,), the positions as a tensor, replaces start_pos (a compiled decoding step
@@ -125,6 +125,8 @@ class GPT(nn.Module):
         block, see ``make_kv_caches``) the ids' keys and values are written at their positions and
         attend to everything cached before them, so decoding feeds one new token at a time; the
         caller keeps the positions below the caches' length.
+        last_only: the logits of the last position alone (B, 1, vocab_size), all that choosing the next token
+        needs: a prompt's (B, T, vocab_size) are never made.
         With ``targets`` (B, T) of next-token ids (-100: skip), returns instead their mean
         cross-entropy, the same number as ``F.cross_entropy(logits.float().flatten(0, 1),
         targets.flatten())`` but computed chunk by chunk through whatever ``lm_head`` is
@@ -147,7 +149,7 @@ class GPT(nn.Module):
             if self.training and self.config.n_experts is not None and self.config.router_aux_weight:
                 loss = loss + self.config.router_aux_weight * self.balance_loss()
             return loss
-        return self.lm_head(x)  # (B, T, vocab_size)
+        return self.lm_head(x[:, -1:] if last_only else x)  # (B, T or 1, vocab_size)
 
     def balance_loss(self) -> torch.Tensor:
         """The experts' load-balancing loss of the last training forward, averaged over the MoE layers (1: even)."""

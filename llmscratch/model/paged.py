@@ -426,11 +426,12 @@ class PagedKVCache:
 
 
 def feed(model, cache: PagedKVCache, seq_ids: Sequence, tokens: Sequence[Sequence[int]],
-         read_blocks: int = 0) -> torch.Tensor:
+         read_blocks: int = 0, last_only: bool = False) -> torch.Tensor:
     """The one step every decoding path takes: each sequence's new tokens fed at its next positions, their keys and
-    values kept; the logits (B, T, V) (rows padded to the longest: see ``PagedKVCache.prepare``)."""
+    values kept; the logits (B, T, V) (rows padded to the longest: see ``PagedKVCache.prepare``). last_only: the
+    logits of each row's last token alone (B, 1, V) (a padded row's last column repeats its last token)."""
     ids, positions = cache.prepare(seq_ids, tokens, read_blocks)
-    logits = model(ids, cache.layers, input_pos=positions)  # (B, T, V)
+    logits = model(ids, cache.layers, input_pos=positions, last_only=last_only)  # (B, T or 1, V)
     cache.commit([s for s in seq_ids if s is not None])
     return logits
 
