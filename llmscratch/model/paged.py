@@ -18,8 +18,12 @@ Three things follow from the indirection, all here:
   prefill (in chunks), decoding and verifying guesses are the same call.
 
 Attention reads a sequence's blocks by gathering them into a contiguous (B, n_kv, S, hs) and calling
-scaled_dot_product_attention with a mask built from each gathered slot's position: one gather per layer,
-which measured faster on the CPUs here than FlexAttention's compiled block masks (benchmarks/RESULTS.md).
+scaled_dot_product_attention with a mask built from each gathered slot's position: one gather per layer.
+FlexAttention with a block mask, compiled by torch.compile, was faster per call once compiled on this CPU
+(0.87x the time of a decoding step's attention, 0.49x of a 256-token prefill chunk's: benchmarks/RESULTS.md,
+"Paged KV cache"), but it compiles for 5-26 s per shape, and the engine's shapes change with every block a
+sequence fills and every chunk; a mask that reads the block tables did not compile on the CPU (torch 2.13).
+The gather runs eagerly on every device, and a compiled decoding step (``generate``) fuses it anyway.
 """
 
 import collections
