@@ -49,7 +49,7 @@ BATCH_SHAPES = ("occupied", "fixed")
 # The most of the memory free at start (the weights already loaded) that the cache may take: the rest is for
 # each step's work (a prefill chunk's activations and attention, the gathered keys and values, the logits).
 CACHE_SHARE = 0.5
-PREFILL_CHUNK = 256  # prompt tokens prefilled per step, at most: a step's delay to the running streams
+PREFILL_CHUNK = 128  # prompt tokens a step prefills at most: on 2 CPU cores, 2.5x a 15-stream step (RESULTS.md)
 
 
 class Running:
