@@ -160,7 +160,7 @@ async def chat_round(url: str, clients: int, max_tokens: int) -> tuple[float, li
 
 
 def real(args) -> None:
-    from benchmarks.bench_serve import free_port
+    from benchmarks.bench_serve import free_port, wait_until_healthy
 
     budget = 4
     with tempfile.TemporaryDirectory(prefix="bench_paged_") as temporary:
@@ -176,18 +176,7 @@ def real(args) -> None:
                                   start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + TIMEOUT
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"serve.py exited while starting (status {server.returncode})")
-                try:
-                    if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"serve.py did not answer /health within {TIMEOUT:.0f} s")
-                time.sleep(0.5)
+            wait_until_healthy(server, url, "serve.py", TIMEOUT)
             banner = server.stdout.readline().strip()  # "serving ... at http://...": printed before it listens
             rounds = [asyncio.run(chat_round(url, 16, args.real_tokens)) for _ in range(args.rounds)]
             peak = peak_resident(server.pid)

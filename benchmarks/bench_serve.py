@@ -111,6 +111,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_healthy(process: subprocess.Popen, url: str, name: str, timeout: float) -> None:
+    """Return once url's /health answers 200; RuntimeError if the process ends first, TimeoutError past timeout s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited while starting (status {process.returncode}; its messages are above)")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not answer /health within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 class ServerProcess:
     """``python -m benchmarks.bench_serve --serve NAME`` in its own process group, up once /health answers."""
 
@@ -136,19 +152,7 @@ class ServerProcess:
         return self
 
     def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the {self.name} server exited while starting (status {self.process.returncode}; "
-                                   f"its messages are above)")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {self.name} server did not answer /health within {START_TIMEOUT:.0f} s")
-            time.sleep(0.2)
+        wait_until_healthy(self.process, self.url, f"the {self.name} server", START_TIMEOUT)
 
     def cpu_seconds(self) -> float:
         times = self.ps.cpu_times()
