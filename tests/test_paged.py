@@ -392,3 +392,31 @@ def test_a_budget_below_one_full_length_sequence_gives_the_windows_their_share_f
     assert run(engine, [prompt], 13) == [alone(mixed, prompt, 13)]
     with pytest.raises(ValueError, match=r"cannot hold one sequence of 17 positions"):
         engine.submit([1, 2, 3], SamplingParams(max_tokens=14))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_frozen_rows_in_order_are_read_in_place_and_give_what_the_gather_gives(kind):
+    """generate's cache: rows reserved one after the other are read as a view of the pool; the same logits as
+    gathering them (rows forked from one prompt are not in order, and are gathered)."""
+    model = tiny(kind)
+    prompts = [random_tokens(model, 7, seed) for seed in range(3)]
+    logits = {}
+    for in_place in (True, False):
+        cache = PagedKVCache(model, sequences=3, block_size=BLOCK, max_model_len=16, lookahead=16, forget=False)
+        for row in range(3):
+            cache.add(row, ())
+            if in_place:
+                cache.reserve(row, 16)
+        feed(model, cache, list(range(3)), prompts)
+        cache.freeze(list(range(3)), 16)
+        assert all((group.in_place is not None) == in_place for group in cache.groups)
+        steps = []
+        with torch.no_grad():
+            for position in range(7, 12):
+                token = torch.tensor([[position], [position + 1], [position + 2]])
+                steps.append(model(token, cache.layers, input_pos=torch.tensor([position]))[:, -1])
+        logits[in_place] = torch.stack(steps)
+    torch.testing.assert_close(logits[True], logits[False], **EXACT)
+    with torch.no_grad():
+        expected = [whole(model, p + list(range(7 + r, 12 + r)))[7:12] for r, p in enumerate(prompts)]
+    torch.testing.assert_close(logits[True], torch.stack(expected, dim=1), **EXACT)

@@ -168,9 +168,12 @@ def prefilled_cache(model: GPT, idx: torch.Tensor, samples: int, length: int) ->
     sample j of prompt b."""
     prompts = list(range(idx.size(0)))
     rows = [(b, j) for b in prompts for j in range(samples)]
-    cache = PagedKVCache(model, sequences=len(rows), max_model_len=length, lookahead=length, prefix_sharing=False)
+    cache = PagedKVCache(model, sequences=len(rows), max_model_len=length, lookahead=length, prefix_sharing=False,
+                         forget=False)
     for b in prompts:
         cache.add((b, 0), ())
+        if samples == 1:  # each row's blocks in order: attention reads them in place (``freeze``)
+            cache.reserve((b, 0), length)
     logits = feed(model, cache, [(b, 0) for b in prompts], idx.tolist(), last_only=True)[:, -1]  # (b, V)
     for b, j in rows:
         if j:

@@ -79,6 +79,7 @@ class LayerGroup:
         # or, once ``PagedKVCache.freeze`` fixed the blocks, each slot's position (``frozen``): see ``PagedLayer``.
         self.write_slots = self.read_slots = self.mask = None
         self.frozen: torch.Tensor | None = None
+        self.in_place: int | None = None  # frozen rows read in place: the first block of row 0 (see ``freeze``)
 
     def available(self) -> int:
         """Blocks a new write may take: the free ones and the cached ones nobody holds."""
@@ -161,6 +162,12 @@ class PagedLayer:
         self.keys.index_copy_(0, slots, keys.transpose(1, 2).reshape(-1, n_kv, head_dim).to(self.keys.dtype))
         self.values.index_copy_(0, slots, values.transpose(1, 2).reshape(-1, n_kv, head_dim).to(self.values.dtype))
         read = group.read_slots  # (B, S)
+        if group.frozen is not None and group.in_place is not None:  # each row's S slots follow the last row's
+            shape = (read.size(0), read.size(1), n_kv, head_dim)  # (B, S, n_kv, hs)
+            strides = (read.size(1) * n_kv * head_dim, n_kv * head_dim, head_dim, 1)
+            offset = group.in_place * self.keys.size(0) // group.n_blocks * n_kv * head_dim
+            return (self.keys.as_strided(shape, strides, offset).transpose(1, 2),
+                    self.values.as_strided(shape, strides, offset).transpose(1, 2), mask)  # (B, n_kv, S, hs)
         return self.keys[read].transpose(1, 2), self.values[read].transpose(1, 2), mask  # (B, n_kv, S, hs)
 
 
@@ -177,13 +184,14 @@ class PagedKVCache:
 
     def __init__(self, model, memory: int | None = None, *, sequences: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None,
-                 lookahead: int = 512, rollback: int = 0, prefix_sharing: bool = True):
+                 lookahead: int = 512, rollback: int = 0, prefix_sharing: bool = True, forget: bool = True):
         config = model.config
         weight = model.token_embedding.weight
         self.block_size = block_size
         self.max_model_len = config.context_length if max_model_len is None else max_model_len
         self.prefix_sharing = prefix_sharing
         self.rollback = rollback  # positions ``truncate`` may take back: a window keeps them visible that much longer
+        self.forget = forget  # False: windows keep their blocks (a cache sized for whole sequences gains nothing)
         self.device = weight.device
         kinds = [config.sliding_window if kind == "sliding" else None for kind in config.attention_types]
         heads = [getattr(getattr(block, "attn", None), "n_kv_heads", config.kv_heads) for block in model.blocks]
@@ -403,10 +411,21 @@ class PagedKVCache:
         for seq_id in seq_ids:
             self._make_room(seq_id, length - self.pages[seq_id].length)
         for group_index, group in enumerate(self.groups):
-            tables = torch.tensor([self.pages[s].tables[group_index] for s in seq_ids], device=self.device)  # (B, n)
+            rows = [self.pages[s].tables[group_index] for s in seq_ids]
+            tables = torch.tensor(rows, device=self.device)  # (B, n)
             group.read_slots = (tables[:, :, None] * self.block_size
                                 + torch.arange(self.block_size, device=self.device)).flatten(1)  # (B, S)
             group.frozen = torch.arange(group.read_slots.size(1), device=self.device).expand_as(group.read_slots)
+            # Rows whose blocks follow one another, each row after the last (what ``reserve`` gives sequences made
+            # one after the other): attention reads them in place, a view, instead of gathering a copy each step.
+            first, n = rows[0][0], len(rows[0])
+            in_order = all(row == list(range(first + r * n, first + (r + 1) * n)) for r, row in enumerate(rows))
+            group.in_place = first if in_order else None
+
+    def reserve(self, seq_id, length: int) -> None:
+        """Give a new sequence its blocks for ``length`` positions now: sequences reserved one after the other get
+        blocks in order, which ``freeze`` then reads in place."""
+        self._make_room(seq_id, length - self.pages[seq_id].length)
 
     def _slot(self, table: list[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
@@ -422,7 +441,7 @@ class PagedKVCache:
                 for group, table in zip(self.groups, pages.tables):
                     for i in range(known, full):
                         group.name(table[i], pages.hashes[i])
-            for group, table in zip(self.groups, pages.tables):
+            for group, table in zip(self.groups, pages.tables if self.forget else ()):
                 for i in range(group.first_needed(max(0, pages.length - self.rollback), self.block_size)):
                     if table[i] != NULL_BLOCK:
                         group.release(table[i])
