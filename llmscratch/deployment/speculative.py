@@ -16,9 +16,10 @@ target steps and a (k+1)-token target forward costing v target steps, a round yi
 speed-up over the target alone is that ratio (``predicted_speedup``).
 
 Both models keep their keys and values in a paged KV cache (``llmscratch.model.paged``), the one
-``generate`` and the engine use: each feed is ``paged.feed`` (their one step), and rolling a cache
-back after rejected guesses is ``truncate``, which gives back the blocks of the rejected positions.
-A sliding-window layer keeps the blocks a rollback may need again (``rollback=k``).
+``generate`` and the engine use, with every block of the sequence given out at once (``freeze``), as
+``generate`` does: a feed is then the model's forward and nothing else, and rolling a cache back after
+rejected guesses is only moving where the next round writes: a query sees no key past its own position, so
+the rejected keys are masked until they are overwritten.
 """
 
 import dataclasses
@@ -29,7 +30,7 @@ import torch
 from llmscratch.model.checks import check_prompt, check_request, check_sampling
 from llmscratch.model.generate import sampling_probs
 from llmscratch.model.gpt import GPT, evaluating
-from llmscratch.model.paged import PagedKVCache, feed
+from llmscratch.model.paged import PagedKVCache
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -174,17 +175,21 @@ def _check_models(target: GPT, draft: GPT, idx: torch.Tensor, k: int) -> None:
         raise ValueError(f"the target (on {devices[0]}) and the draft (on {devices[1]}) must be on one device")
 
 
-def _feed(model: GPT, cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
-    """Logits (t, V) of the t ids fed at the sequence's next positions, their keys and values cached there."""
-    return feed(model, cache, [0], [ids])[0]  # (t, V)
+def _feed(model: GPT, cache: PagedKVCache, ids: list[int], start: int) -> torch.Tensor:
+    """Logits (t, V) of the t ids fed at positions start..start+t-1, their keys and values cached there."""
+    positions = torch.arange(start, start + len(ids), device=cache.device)  # (t,)
+    return model(torch.tensor([ids], device=cache.device), cache.layers, input_pos=positions)[0]  # (t, V)
 
 
-def _cache(model: GPT, prompt: list[int], total: int, k: int) -> PagedKVCache:
-    """A paged cache for the one sequence (id 0) of ``_decode``: the prompt fed at once, then k + 1 at a time,
-    at most k positions rolled back; the last position ever fed is total - 2 (the final token is never fed)."""
-    cache = PagedKVCache(model, sequences=1, max_model_len=total - 1, lookahead=max(len(prompt) - 1, k + 1),
-                         rollback=k, prefix_sharing=False)
+def _cache(model: GPT, total: int) -> PagedKVCache:
+    """The paged cache of ``_decode``'s one sequence, every block given out at once (``PagedKVCache.freeze``): a feed
+    is the model's forward alone, no bookkeeping between; the last position ever fed is total - 2."""
+    length = total - 1
+    cache = PagedKVCache(model, sequences=1, max_model_len=length, lookahead=length, prefix_sharing=False,
+                         forget=False)
     cache.add(0, ())
+    cache.reserve(0, length)
+    cache.freeze([0], length)
     return cache
 
 
@@ -194,22 +199,23 @@ def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, gen
     counts = dict(rounds=0, drafted=0, accepted=0, rejected=0, target_forwards=0, draft_forwards=0)
     if len(tokens) == total:
         return tokens, SpeculativeStats(**counts)
-    # Each model's cache holds the positions it has seen (its length): all tokens but the last, which
-    # the next round feeds.
-    target_cache, draft_cache = _cache(target, tokens, total, k), _cache(draft, tokens, total, k)
+    # Each model's cache holds the positions it has seen: all tokens but the last, which the next round feeds.
+    target_cache, draft_cache = _cache(target, total), _cache(draft, total)
     if len(tokens) > 1:
-        _feed(target, target_cache, tokens[:-1])
-        _feed(draft, draft_cache, tokens[:-1])
+        _feed(target, target_cache, tokens[:-1], 0)
+        _feed(draft, draft_cache, tokens[:-1], 0)
         counts["target_forwards"] += 1
         counts["draft_forwards"] += 1
+    target_seen = draft_seen = len(tokens) - 1
     greedy = temperature == 0.0
     while len(tokens) < total:
         guesses = min(k, total - len(tokens) - 1)  # a full round then yields at most the tokens still wanted
         # The draft guesses one token at a time; its first forward also feeds what it has not seen:
         # the last token, and after a round that kept every guess, its last guess too.
-        pending, drafted, draft_probs = tokens[draft_cache.length(0):], [], []
+        pending, drafted, draft_probs = tokens[draft_seen:], [], []
         for _ in range(guesses):
-            logits = _feed(draft, draft_cache, pending)[-1:]  # (1, V)
+            logits = _feed(draft, draft_cache, pending, draft_seen)[-1:]  # (1, V)
+            draft_seen += len(pending)
             if greedy:
                 guess = int(logits.argmax())
             else:
@@ -218,7 +224,7 @@ def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, gen
             drafted.append(guess)
             pending = [guess]
         # The target scores the last token and every guess in one forward: p_1..p_{guesses+1}.
-        logits = _feed(target, target_cache, tokens[target_cache.length(0):] + drafted)  # (guesses+1, V)
+        logits = _feed(target, target_cache, tokens[target_seen:] + drafted, target_seen)  # (guesses+1, V)
         guess_ids = torch.tensor(drafted, dtype=torch.long, device=logits.device)  # (guesses,)
         if greedy:
             n, token = accept_greedy(logits.argmax(dim=-1), guess_ids)
@@ -235,8 +241,7 @@ def _decode(target, draft, idx, total, k, temperature, top_k, top_p, eos_id, gen
             tokens += new[:new.index(eos_id) + 1]
             break
         tokens += new
-        # Roll back: positions from len(tokens) - 1 on hold rejected guesses (or nothing yet); the next
-        # round feeds them again.
-        target_cache.truncate(0, len(tokens) - 1)
-        draft_cache.truncate(0, min(draft_cache.length(0), len(tokens) - 1))
+        # Roll back: positions from len(tokens) - 1 on hold rejected guesses (or nothing yet), and are
+        # overwritten by the next round before anything attends to them (a query sees only up to its own position).
+        target_seen, draft_seen = len(tokens) - 1, min(draft_seen, len(tokens) - 1)
     return tokens, SpeculativeStats(**counts)
