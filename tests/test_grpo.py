@@ -222,8 +222,9 @@ def test_sampled_groups_end_at_the_first_end_of_text_and_repeat_with_the_seed(ti
 
 
 def test_sampled_groups_are_the_samples_of_each_prompt_repeated_group_size_times(tiny):
-    """sample_groups shares each prompt's cache among its group (forked blocks); the answers and rewards for a seed
-    are those of ``generate`` on the prompts repeated, every row prefilled on its own, drawing from one generator."""
+    """sample_groups prefills each prompt once for its group (copied to each sample's row); the answers and rewards
+    for a seed are those of ``generate`` on the prompts repeated, every row prefilled on its own, drawing from one
+    generator."""
     model, tokenizer, _ = tiny
     records = read_instructions()[:7]
     groups = sample_groups(model, tokenizer, records, 3, 12, 1.0, torch.Generator().manual_seed(5), 0.1)

@@ -133,8 +133,9 @@ def stream(
     CUDA graph: one launch per token instead of one per kernel, which is most of a small model's
     batch-1 step on a GPU.
     samples_per_prompt: continue each prompt that many times (rows b * n .. b * n + n - 1 are prompt
-    b's), as idx.repeat_interleave(n, dim=0) would, but with each prompt prefilled once and its cache
-    shared: what sampling several answers to one prompt (``llmscratch.alignment.grpo``) needs.
+    b's), as idx.repeat_interleave(n, dim=0) would, but with each prompt prefilled once and its keys and
+    values copied to its samples' rows: what sampling several answers to one prompt (``llmscratch.alignment.grpo``)
+    needs.
     Arguments are checked at once; the model is in eval mode under inference_mode until the
     stream is exhausted or closed, then back in its previous mode.
     """
@@ -162,22 +163,22 @@ def prefill(model: GPT, idx: torch.Tensor, kv_caches: list[KVCache]) -> torch.Te
 
 
 def prefilled_cache(model: GPT, idx: torch.Tensor, samples: int, length: int) -> tuple[PagedKVCache, torch.Tensor]:
-    """A paged cache holding the prompts idx (B, T), each run once and shared by its ``samples`` rows (forked: a
-    row copies a block only when it writes into it), with every block up to ``length`` positions given out
-    (``PagedKVCache.freeze``). Returns it and the next-token logits (B * samples, V), row b * samples + j for
-    sample j of prompt b."""
+    """A paged cache holding the prompts idx (B, T), each run once and copied to its ``samples`` rows, with every
+    block up to ``length`` positions given out in row order (``PagedKVCache.freeze``), so that attention reads each
+    row in place. Returns it and the next-token logits (B * samples, V), row b * samples + j for sample j of prompt
+    b. (The rows copy the prompt rather than share its blocks: a shared block would have to be gathered at every
+    step, which costs more than one copy; the engine, whose sequences come and go, shares them.)"""
     prompts = list(range(idx.size(0)))
     rows = [(b, j) for b in prompts for j in range(samples)]
     cache = PagedKVCache(model, sequences=len(rows), max_model_len=length, lookahead=length, prefix_sharing=False,
                          forget=False)
-    for b in prompts:
-        cache.add((b, 0), ())
-        if samples == 1:  # each row's blocks in order: attention reads them in place (``freeze``)
-            cache.reserve((b, 0), length)
+    for row in rows:
+        cache.add(row, ())
+        cache.reserve(row, length)
     logits = feed(model, cache, [(b, 0) for b in prompts], idx.tolist(), last_only=True)[:, -1]  # (b, V)
     for b, j in rows:
         if j:
-            cache.fork((b, 0), (b, j))
+            cache.copy_sequence((b, 0), (b, j))
     cache.freeze(rows, length)
     return cache, logits.repeat_interleave(samples, dim=0)  # (B, V)
 

@@ -280,6 +280,19 @@ class PagedKVCache:
                     group.hold(block)
         self.pages[child] = Pages([list(t) for t in source.tables], list(source.tokens), list(source.hashes))
 
+    def copy_sequence(self, source, target) -> None:
+        """Copy the keys and values ``source`` holds into the blocks reserved for ``target`` (``reserve``): the same
+        sequence, in blocks of its own."""
+        pages, length = self.pages[source], self.pages[source].length
+        for group_index, group in enumerate(self.groups):
+            from_slots = torch.tensor([self._slot(pages.tables[group_index], p) for p in range(length)],
+                                      device=self.device)
+            to_slots = torch.tensor([self._slot(self.pages[target].tables[group_index], p) for p in range(length)],
+                                    device=self.device)
+            for tensor in group.keys + group.values:
+                tensor.index_copy_(0, to_slots, tensor[from_slots])
+        self.pages[target].tokens = list(pages.tokens)
+
     def free(self, seq_id) -> None:
         """Give back a sequence's blocks (those full and hashed stay cached for later prefixes)."""
         pages = self.pages.pop(seq_id)
@@ -288,7 +301,7 @@ class PagedKVCache:
                 group.release(block)
 
     def truncate(self, seq_id, length: int) -> None:
-        """Forget the positions from ``length`` on (speculative decoding's rejected guesses). A window keeps what
+        """Forget the positions from ``length`` on (guesses a verifier rejected, say). A window keeps what
         its queries may see again only ``rollback`` positions back: length must be at least the sequence's length
         minus rollback."""
         pages = self.pages[seq_id]
