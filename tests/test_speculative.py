@@ -90,8 +90,8 @@ def test_greedy_up_to_the_context_limit(kind, prompt_len, new_tokens):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_with_sliding_window_layers_gives_the_targets_own_tokens(k):
-    """Gemma-like layers of a 5-key window beside a full one: the paged caches forget the blocks no window sees
-    (16 positions each: the 40 positions here span three), yet a rollback never loses one the next round reads."""
+    """Gemma-like layers of a 5-key window beside a full one: rolled-back guesses stay masked until overwritten,
+    in the window's layers as in the full one (40 positions, three blocks of 16), and greedy is the target's own."""
     config = GPTConfig(**{**LATER_SHAPES["gemma"], "context_length": 48})
     target = GPT(config)
     randomize(target, seed=0, scale=0.2)
